@@ -1,0 +1,114 @@
+"""Front door: ``autoparallelize`` (call or decorator)."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+from autopar.codegen import build_program, load_program, program_source
+from autopar.capture import capture
+from autopar.compiler import compile as compile_plan
+from autopar.errors import AutoparError
+from autopar.mesh import parse_mesh
+from autopar.plan import Plan
+from autopar.runtime import ParallelModule, in_torchrun, init_distributed
+
+
+def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=None, plan: Plan | str | None = None,
+                    single_device: bool = False, local_inputs: bool = False, **compile_options):
+    """Parallelize ``model`` for ``mesh`` on ``cluster`` and return an nn.Module
+    that runs the plan on this torchrun rank.
+
+    * ``autoparallelize(model, example_inputs, mesh=..., cluster=..., loss_fn=...)``
+      compiles now; ``pmodel(*inputs, target)`` returns the loss.
+    * ``@autoparallelize(mesh=..., cluster=...)`` on an nn.Module subclass compiles
+      on the first forward call from the shapes it sees (and again for new shapes).
+    * ``plan=`` runs a plan compiled earlier (a Plan or a plan.json path).
+    * ``local_inputs=True``: each rank passes its own shard of the batch (e.g. from a
+      DistributedSampler) instead of the full global batch.
+    * ``single_device=True`` outside torchrun runs the plain model (with a warning).
+    """
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        return _decorate(model, mesh=mesh, cluster=cluster, loss_fn=loss_fn, single_device=single_device,
+                         local_inputs=local_inputs, **compile_options)
+    if model is None:
+        return functools.partial(autoparallelize, mesh=mesh, cluster=cluster, loss_fn=loss_fn, plan=plan,
+                                 single_device=single_device, local_inputs=local_inputs, **compile_options)
+    if example_inputs is None:
+        raise AutoparError("autoparallelize(model, example_inputs, ...) needs example_inputs "
+                           "(or use it as a class decorator, which compiles on the first call)")
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    mesh_ = parse_mesh(mesh)
+    if not in_torchrun() and single_device:
+        warnings.warn(f"autopar: not in a torchrun job; running the model on one process (single_device=True) "
+                      f"instead of the {mesh_.size}-device plan", stacklevel=2)
+        return _SingleDevice(model, loss_fn)
+    device_mesh = init_distributed(mesh_.shape, mesh_.names)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    graph = capture(model, example_inputs, loss_fn)
+    if plan is None:
+        plan = compile_plan(model, example_inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, **compile_options)
+    program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
+    return ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh, local_inputs=local_inputs)
+
+
+class _SingleDevice(nn.Module):
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        if self.loss_fn is None:
+            return self.model(*inputs)
+        return self.loss_fn(self.model(*inputs[:-1]), inputs[-1])
+
+    def state_dict(self, *args, **kwargs):
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.model.load_state_dict(*args, **kwargs)
+
+
+def _decorate(cls, **options):
+    """Wrap an nn.Module subclass: instances compile on first call and run the plan."""
+
+    class Parallel(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._autopar = {}
+
+        def forward(self, *inputs):
+            key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+            runner = self._autopar.get(key)
+            if runner is None:
+                plain = _PlainForward(cls, self)
+                runner = autoparallelize(plain, inputs, **options)
+                self._autopar[key] = runner
+            return runner(*inputs)
+
+    Parallel.__name__ = cls.__name__
+    Parallel.__qualname__ = cls.__qualname__
+    Parallel.__doc__ = cls.__doc__
+    return Parallel
+
+
+class _PlainForward(nn.Module):
+    """The decorated instance seen through its undecorated class's forward."""
+
+    def __init__(self, cls, instance):
+        super().__init__()
+        object.__setattr__(self, "_cls", cls)
+        for name, child in instance.named_children():
+            self.add_module(name, child)
+        for name, p in instance.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in instance.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "_instance", instance)
+
+    def forward(self, *inputs):
+        return self._cls.forward(self, *inputs)

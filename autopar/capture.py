@@ -1,0 +1,224 @@
+"""Capture: the training step's forward (model + loss) as an ATen-level fx graph.
+
+``torch.export`` traces on fake tensors (node.meta["val"] holds a FakeTensor on
+every node), so planning never runs the model; a model built on the meta device
+traces without allocating parameters. The backward is not traced: every
+strategy's backward cost and communication are derived from its forward rule
+(see cost_models/resharding.py), and autograd produces the real backward at run
+time through the same placements.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.passes.rules import OpInfo, TensorArg, TensorMeta
+
+
+class NodeKind(str, Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"
+    CONSTANT = "constant"
+    OP = "op"
+    OUTPUT = "output"
+
+
+@dataclass
+class Node:
+    name: str
+    kind: NodeKind
+    target: object = None
+    fqn: str = ""
+    """Parameter/buffer name, or the module path the op was called from."""
+    inputs: list = field(default_factory=list)
+    """Producer node names, one per tensor input (in argument order)."""
+    outputs: list = field(default_factory=list)
+    """TensorMeta of each tensor output (one, or several for split-like ops)."""
+    info: OpInfo | None = None
+    input_index: int = -1
+    """Position among the user inputs, for INPUT nodes."""
+
+    @property
+    def op_name(self) -> str:
+        if self.kind is not NodeKind.OP:
+            return self.kind.value
+        if self.target is operator.getitem:
+            return "getitem"
+        return str(self.target).replace("aten.", "").replace(".default", "")
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outputs[0]
+
+
+@dataclass
+class Graph:
+    nodes: dict  # name -> Node, in topological order
+    gm: fx.GraphModule
+    params: dict  # fqn -> placeholder name
+    buffers: dict
+    n_inputs: int
+    has_loss: bool
+    out_spec: str = ""
+    """The output pytree structure (torch.utils._pytree.treespec_dumps)."""
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for n in self.nodes.values():
+            h.update(f"{n.name}|{n.op_name}|{n.inputs}|{[m.shape for m in n.outputs]}\n".encode())
+        return h.hexdigest()[:16]
+
+    def consumers(self) -> dict:
+        out = {name: [] for name in self.nodes}
+        for n in self.nodes.values():
+            for i, src in enumerate(n.inputs):
+                out[src].append((n.name, i))
+        return out
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+class _NoLoss(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return self.model(*args)
+
+
+def _meta(v) -> TensorMeta | None:
+    if isinstance(v, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+    return None
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.replace("L['self'].", "").replace("L__self__.", "")
+    for prefix in ("model.", "model"):
+        if path.startswith(prefix):
+            return path[len(prefix):]
+    return path
+
+
+def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
+    """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``)."""
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"model must be an nn.Module, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    if loss_fn is not None and len(example_inputs) < 2:
+        raise AutoparError(
+            f"with loss_fn, example_inputs must end with the target: got {len(example_inputs)} input(s), "
+            "expected (input, ..., target)"
+        )
+    wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _NoLoss(model)
+    try:
+        ep = torch.export.export(wrapper, example_inputs, strict=False)
+    except Exception as e:  # torch raises many types; keep the cause
+        raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
+    return _to_graph(ep, len(example_inputs), loss_fn is not None)
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    kinds = {}
+    params, buffers = {}, {}
+    user_index = 0
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        k = spec.kind.name
+        if k == "PARAMETER":
+            kinds[name] = (NodeKind.PARAM, _strip(spec.target), -1)
+            params[_strip(spec.target)] = name
+        elif k == "BUFFER":
+            kinds[name] = (NodeKind.BUFFER, _strip(spec.target), -1)
+            buffers[_strip(spec.target)] = name
+        elif k == "CONSTANT_TENSOR":
+            raise AutoparError(
+                f"the model creates a constant tensor in forward ({spec.target}); autopar needs it as a "
+                "registered buffer (self.register_buffer(...)) so that every rank can place it"
+            )
+        elif k == "USER_INPUT":
+            kinds[name] = (NodeKind.INPUT, f"input[{user_index}]", user_index)
+            user_index += 1
+        else:
+            raise AutoparError(f"unsupported graph input kind {k} for {name}")
+    mutated = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
+    if mutated:
+        raise AutoparError(
+            f"the model mutates state during forward ({[s.target for s in mutated]}); "
+            "in-place buffer updates (e.g. BatchNorm running stats in train mode) are not supported yet: "
+            "use model.eval() for such modules or a norm without running statistics"
+        )
+
+    nodes: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            kind, fqn, idx = kinds[n.name]
+            nodes[n.name] = Node(n.name, kind, fqn=fqn, outputs=[_meta(n.meta["val"])], input_index=idx)
+        elif n.op == "call_function":
+            nodes[n.name] = _op_node(n, nodes)
+        elif n.op == "output":
+            flat = []
+            fx.node.map_arg(n.args[0], lambda a: flat.append(a.name))
+            nodes["output"] = Node("output", NodeKind.OUTPUT, inputs=flat,
+                                   outputs=[nodes[a].outputs[0] for a in flat])
+        else:
+            raise AutoparError(f"unsupported fx node {n.op} {n.target}")
+    from torch.utils._pytree import treespec_dumps
+    return Graph(nodes, gm, params, buffers, n_inputs, has_loss, treespec_dumps(ep.call_spec.out_spec))
+
+
+def _op_node(n: fx.Node, nodes: dict) -> Node:
+    val = n.meta.get("val")
+    if n.target is operator.getitem:
+        src = n.args[0].name
+        return Node(n.name, NodeKind.OP, operator.getitem, _module_path(n), [src], [_meta(val)])
+    inputs, metas = [], []
+
+    def lift(a):
+        if isinstance(a, fx.Node):
+            m = _meta(a.meta.get("val"))
+            if m is None:
+                return a.meta.get("val")
+            inputs.append(a.name)
+            metas.append(m)
+            return TensorArg(len(metas) - 1, m)
+        return a
+
+    args = fx.node.map_aggregate(n.args, lift)
+    kwargs = fx.node.map_aggregate(n.kwargs, lift)
+    if isinstance(val, (tuple, list)):
+        outputs = [_meta(v) for v in val if isinstance(v, torch.Tensor)]
+    else:
+        outputs = [_meta(val)] if isinstance(val, torch.Tensor) else []
+    if not outputs:
+        raise AutoparError(f"op {n.target} at {_module_path(n) or 'top level'} returns no tensor; not supported")
+    info = OpInfo(n.target, tuple(args), dict(kwargs), metas, outputs)
+    return Node(n.name, NodeKind.OP, n.target, _module_path(n), inputs, outputs, info)

@@ -1,0 +1,144 @@
+"""The ``autopar`` command line: compile, show, codegen, verify, estimate, calibrate."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+from autopar.errors import AutoparError
+
+
+def _compile(args) -> int:
+    from autopar.compiler import compile as compile_plan
+    from autopar.runtime import load_factory
+    from autopar.report import show
+
+    model, inputs, loss_fn = load_factory(args.source)
+    memory = _parse_bytes(args.memory) if args.memory else None
+    plan = compile_plan(model, inputs, mesh=args.mesh, cluster=args.cluster, loss_fn=loss_fn, memory=memory,
+                        time_limit_s=args.time_limit, solver=args.solver, source=args.source)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    plan.save(args.output)
+    if args.coverage:
+        if plan.fallbacks:
+            print(f"{len(plan.fallbacks)} op(s) fell back to replication:")
+            for f in plan.fallbacks:
+                print(f"  {f['op']:40s} node {f['node']:24s} at {f['location']}")
+        else:
+            print("coverage: every op has a sharding rule (no replication fallback)")
+    if not args.quiet:
+        show(plan)
+    print(f"plan written to {args.output}")
+    return 0
+
+
+def _show(args) -> int:
+    from autopar.plan import Plan
+    from autopar.report import show
+
+    show(Plan.load(args.plan), all_nodes=args.all)
+    return 0
+
+
+def _codegen(args) -> int:
+    from autopar.capture import capture
+    from autopar.codegen import write_program
+    from autopar.plan import Plan
+    from autopar.runtime import load_factory
+
+    plan = Plan.load(args.plan)
+    source = plan.model.get("source")
+    if not source:
+        raise AutoparError(f"{args.plan} does not name its model (compile it with `autopar compile FILE.py:FACTORY`)")
+    model, inputs, loss_fn = load_factory(source)
+    entry = write_program(plan, capture(model, inputs, loss_fn), args.output)
+    print(f"wrote {entry}, {os.path.join(args.output, 'rank_program.py')} and plan.json")
+    print(f"run it with: torchrun --nproc-per-node {plan.mesh.size} {entry} --check")
+    return 0
+
+
+def _verify(args) -> int:
+    """Launch torchrun on this machine to check a plan against single-device training."""
+    from autopar.mesh import parse_mesh
+
+    n = parse_mesh(args.mesh).size
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "autopar.verify",
+           args.source, "--mesh", args.mesh, "--cluster", args.cluster, "--steps", str(args.steps),
+           "--random-plans", str(args.random_plans)]
+    if args.plan:
+        cmd += ["--plan", args.plan]
+    print("$", " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun"), flush=True)
+    return subprocess.call(cmd)
+
+
+def _parse_bytes(text: str) -> float:
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        return float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise AutoparError(f"memory {text!r} is not a size; write e.g. 80GB, 40GiB or 1e9") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization compiler for PyTorch")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="plan a model: FILE.py:FACTORY -> plan.json")
+    c.add_argument("source", help="FILE.py:FACTORY returning (model, example_inputs[, loss_fn])")
+    c.add_argument("--mesh", required=True, help="e.g. 4, 2x2 or dp=2,tp=2")
+    c.add_argument("--cluster", required=True, help="a preset (dgx-a100, dgx-h100, h200, p3.16xlarge, cpu) or a JSON file")
+    c.add_argument("--memory", help="per-device memory budget, e.g. 80GB (default: the device's)")
+    c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    c.add_argument("--solver", default="HIGHS", choices=["HIGHS", "SCIP", "CBC", "CP_SAT"])
+    c.add_argument("--coverage", action="store_true", help="list ops that fell back to replication")
+    c.add_argument("-q", "--quiet", action="store_true", help="do not print the plan summary")
+    c.add_argument("-o", "--output", default="plan.json")
+    c.set_defaults(fn=_compile)
+
+    s = sub.add_parser("show", help="summarise a plan.json")
+    s.add_argument("plan")
+    s.add_argument("--all", action="store_true", help="list every node")
+    s.set_defaults(fn=_show)
+
+    g = sub.add_parser("codegen", help="write the per-rank program for a plan")
+    g.add_argument("plan")
+    g.add_argument("-o", "--output", required=True, help="output directory")
+    g.set_defaults(fn=_codegen)
+
+    v = sub.add_parser("verify", help="run a plan on local gloo ranks and compare with one device")
+    v.add_argument("source")
+    v.add_argument("--mesh", required=True)
+    v.add_argument("--cluster", default="cpu")
+    v.add_argument("--plan", help="check this plan.json instead of compiling")
+    v.add_argument("--steps", type=int, default=2)
+    v.add_argument("--random-plans", type=int, default=0)
+    v.set_defaults(fn=_verify)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "estimate":
+        from autopar.cost_models.estimate_cli import estimate_main
+        return estimate_main(argv[1:])
+    if argv and argv[0] == "calibrate":
+        from autopar.cost_models.estimate_cli import calibrate_main
+        return calibrate_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.fn(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

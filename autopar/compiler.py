@@ -1,0 +1,179 @@
+"""``autopar.compile``: the whole compiler in one screen.
+
+    capture -> enumerate strategies -> price -> solve the ILP -> plan
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+from torch import nn
+
+from autopar.capture import Graph, NodeKind, capture
+from autopar.cost_models.cluster import get_cluster
+from autopar.cost_models.graph_costs import CostContext, edge_moves, needs_grad, node_compute, node_memory
+from autopar.errors import AutoparError
+from autopar.mesh import parse_mesh
+from autopar.passes.enumerate import enumerate_strategies
+from autopar.passes.strategy import fmt_spec, local_shape, shard_factor
+from autopar.plan import NodePlan, Plan
+from autopar.solver import solve
+
+log = logging.getLogger("autopar")
+
+
+def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, memory: float | None = None,
+            optimizer: str = "adamw", time_limit_s: float = 60.0, solver: str = "HIGHS",
+            source: str | None = None) -> Plan:
+    """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
+
+    ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
+    last one is the target. ``memory`` is the per-device budget in bytes
+    (default: the cluster device's memory)."""
+    timings = {}
+    t = time.perf_counter()
+    mesh = parse_mesh(mesh)
+    cluster = get_cluster(cluster)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    graph = capture(model, example_inputs, loss_fn)
+    timings["capture_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
+    notes = _divisibility_warnings(graph, strategies, mesh)
+    timings["strategies_s"] = time.perf_counter() - t
+
+    ctx = CostContext.make(mesh.shape, cluster, optimizer)
+    budget = memory if memory is not None else cluster.device.memory
+    solution = solve(graph, strategies, ctx, memory_budget=budget, time_limit_s=time_limit_s, backend=solver)
+    timings["solve_s"] = solution.wall_s
+
+    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+    plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source)
+    plan.fallbacks = [vars(f) for f in fallbacks]
+    plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
+                             for f in fallbacks]
+    plan.solver["timings"] = timings
+    return plan
+
+
+def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
+    """Parameters and inputs that no mesh axis can shard: they stay replicated."""
+    notes = []
+    for node in graph.nodes.values():
+        if node.kind not in (NodeKind.PARAM, NodeKind.INPUT) or not node.out.shape:
+            continue
+        if any(s.splits(a) for s in strategies[node.name] for a in range(mesh.ndim)):
+            continue
+        if all(size == 1 for size in mesh.shape):
+            continue
+        msg = (f"{node.fqn} of shape {list(node.out.shape)}: no dimension divides any mesh axis "
+               f"({mesh}); it stays replicated. Sizes that are multiples of an axis size can be sharded")
+        warnings.warn("autopar: " + msg, stacklevel=3)
+        notes.append(msg)
+    return notes
+
+
+def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
+               source: str | None) -> Plan:
+    grad = needs_grad(graph)
+    nodes, collectives = [], []
+    compute = comm = 0.0
+    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
+    ms = mesh.shape
+    for node in graph.nodes.values():
+        s = chosen[node.name]
+        f, b = node_compute(node, s, ctx, node.name in grad)
+        compute += f + b
+        mem = node_memory(node, s, ctx, node.name in grad)
+        _add_memory(memory, node, s, ms, mem)
+        nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
+                              [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), f + b, mem,
+                              len(strategies[node.name])))
+        for idx, src in enumerate(node.inputs):
+            src_spec = chosen[src].output
+            meta = graph.nodes[src].outputs[0]
+            fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, node.name in grad and src in grad)
+            for phase, moves in (("forward", fwd), ("backward", bwd)):
+                for m in moves:
+                    comm += m.seconds
+                    collectives.append({
+                        "kind": m.kind.value, "phase": phase, "mesh_axes": [mesh.names[m.axis]],
+                        "bytes": m.nbytes, "seconds": m.seconds, "node": node.name, "producer": src,
+                        "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
+                        "gradient_sync": phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM,
+                    })
+    params = {}
+    for fqn, ph in graph.params.items():
+        spec = chosen[ph].output
+        shape = graph.nodes[ph].out.shape
+        params[fqn] = {"placements": [fmt_spec((p,)) for p in spec], "shape": list(shape),
+                       "local_shape": list(local_shape(shape, spec, ms)), "dtype": str(graph.nodes[ph].out.dtype)}
+    inputs = []
+    for node in graph.nodes.values():
+        if node.kind is NodeKind.INPUT:
+            spec = chosen[node.name].output
+            inputs.append({"name": node.name, "placements": [fmt_spec((p,)) for p in spec],
+                           "shape": list(node.out.shape), "dtype": str(node.out.dtype),
+                           "local_shape": list(local_shape(node.out.shape, spec, ms))})
+    total_flops = _model_flops(graph, grad)
+    step = compute + comm
+    peak = sum(memory.values())
+    predicted = {
+        "step_time_s": step, "compute_s": compute, "comm_s": comm, "bubble_s": 0.0,
+        "peak_memory_bytes": peak, "memory": memory,
+        "memory_capacity_bytes": ctx.cluster.device.memory,
+        "model_flops": total_flops,
+        "mfu": total_flops / (step * mesh.size * ctx.cluster.device.flops("fp32")) if step > 0 else 0.0,
+    }
+    topology = [{"name": n, "size": a.size, "intra_node": a.intra, "inter_node": a.inter,
+                 "level": "inter-node" if a.intra == 1 and a.inter > 1 else
+                          ("hierarchical" if a.inter > 1 else "intra-node")}
+                for n, a in zip(mesh.names, ctx.links)]
+    model = {"source": source, "fingerprint": graph.fingerprint(), "has_loss": graph.has_loss,
+             "placeholders": _placeholders(graph), "out_spec": graph.out_spec}
+    solver = {"status": solution.status, "objective": solution.objective_s, "wall_s": solution.wall_s,
+              "variables": solution.variables, "constraints": solution.constraints, **solution.extra}
+    return Plan(mesh, ctx.cluster.to_json(), topology, model, params, inputs, nodes, collectives,
+                predicted, solver)
+
+
+def _placeholders(graph: Graph) -> list:
+    """The program's arguments in order: ("param", fqn), ("buffer", fqn) or ("input", index)."""
+    out = []
+    for n in graph.nodes.values():
+        if n.kind is NodeKind.PARAM:
+            out.append(["param", n.fqn])
+        elif n.kind is NodeKind.BUFFER:
+            out.append(["buffer", n.fqn])
+        elif n.kind is NodeKind.INPUT:
+            out.append(["input", n.input_index])
+    return out
+
+
+def _add_memory(memory: dict, node, s, ms, mem: float) -> None:
+    if node.kind is NodeKind.PARAM:
+        local = node.out.nbytes / shard_factor(s.output, ms)
+        memory["parameters"] += local
+        memory["gradients"] += local
+        memory["optimizer"] += mem - 2 * local
+    elif node.kind is NodeKind.INPUT:
+        memory["inputs"] += mem
+    else:
+        memory["activations"] += mem
+
+
+def _model_flops(graph: Graph, grad: set) -> float:
+    from autopar.cost_models.graph_costs import op_flops
+    from autopar.passes.rules import get_rule
+    total = 0.0
+    for n in graph.nodes.values():
+        if n.kind is NodeKind.OP and n.info is not None:
+            rule = get_rule(n.target)
+            if rule is not None and rule.matmul:
+                total += op_flops(n) * (3 if n.name in grad else 1)
+    return total
+
+
+__all__ = ["compile", "AutoparError"]

@@ -1,0 +1,33 @@
+"""Errors a user can cause. Each message names the rule, the value and what is valid."""
+
+
+class AutoparError(ValueError):
+    """Base class of every error autopar raises for bad input."""
+
+
+class MeshError(AutoparError):
+    """A mesh shape or axis name that cannot be used."""
+
+
+class ShardingError(AutoparError):
+    """A sharding that does not apply to a tensor (e.g. a dimension that does not divide)."""
+
+
+class PlanError(AutoparError):
+    """A plan file that is corrupt, of the wrong version, or does not match the model."""
+
+
+class ClusterError(AutoparError):
+    """A cluster description or preset name that cannot be used."""
+
+
+class LaunchError(AutoparError):
+    """Running a plan outside a matching torchrun job."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the per-device memory budget."""
+
+    def __init__(self, message: str, *, needed_bytes: float | None = None):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes

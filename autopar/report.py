@@ -1,0 +1,111 @@
+"""``autopar show``: a plan as tidy terminal tables.
+
+Parameters of repeated layers (``blocks.0.attn.q.weight``, ``blocks.1.attn.q.weight``,
+...) are summarised as one row per layer class (``blocks.*.attn.q.weight``)
+when their placements agree; ``--all`` lists every parameter and node.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.plan import Plan
+
+GiB = 2**30
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def layer_class(fqn: str) -> str:
+    """'blocks.3.attn.q.weight' -> 'blocks.*.attn.q.weight'."""
+    return re.sub(r"\.\d+\.", ".*.", fqn)
+
+
+def parameter_rows(plan: Plan, all_rows: bool = False) -> list[tuple]:
+    groups: dict = defaultdict(list)
+    for fqn, p in plan.parameters.items():
+        key = fqn if all_rows else (layer_class(fqn), tuple(p["placements"]))
+        groups[key].append((fqn, p))
+    rows = []
+    for key, members in groups.items():
+        fqn, p = members[0]
+        name = fqn if all_rows or len(members) == 1 else f"{layer_class(fqn)} (x{len(members)})"
+        rows.append((name, " ".join(p["placements"]), "x".join(map(str, p["shape"])),
+                     "x".join(map(str, p["local_shape"]))))
+    return rows
+
+
+def collective_rows(plan: Plan) -> list[tuple]:
+    agg: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    for c in plan.collectives:
+        key = (c["phase"], ",".join(c["mesh_axes"]), c["kind"])
+        agg[key][0] += 1
+        agg[key][1] += c["bytes"]
+        agg[key][2] += c["seconds"]
+    return [(phase, axes, kind, n, _fmt_bytes(b), _fmt_s(s)) for (phase, axes, kind), (n, b, s) in sorted(agg.items())]
+
+
+def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) -> None:
+    con = console or Console(width=120)
+    pred = plan.predicted
+    axes = ", ".join(f"{t['name']}={t['size']} ({t['level']})" for t in plan.topology) or str(plan.mesh)
+    con.print(f"[bold]autopar plan[/bold]  mesh {plan.mesh.shape} on {plan.cluster.get('name')}: {axes}")
+    con.print(f"model {plan.model.get('source') or '(in-process)'}  fingerprint {plan.model.get('fingerprint')}")
+    con.print(f"predicted step {_fmt_s(pred['step_time_s'])} = compute {_fmt_s(pred['compute_s'])} + "
+              f"communication {_fmt_s(pred['comm_s'])} + bubble {_fmt_s(pred.get('bubble_s', 0.0))};  "
+              f"MFU {pred.get('mfu', 0.0):.1%}")
+
+    mem = Table(title="memory per device", title_justify="left")
+    for col in ("parameters", "gradients", "optimizer", "activations", "inputs", "peak", "capacity"):
+        mem.add_column(col, justify="right")
+    m = pred.get("memory", {})
+    mem.add_row(*(_fmt_bytes(m.get(k, 0.0)) for k in ("parameters", "gradients", "optimizer", "activations", "inputs")),
+                _fmt_bytes(pred["peak_memory_bytes"]), _fmt_bytes(pred.get("memory_capacity_bytes", 0.0)))
+    con.print(mem)
+
+    params = Table(title="parameters" + ("" if all_nodes else " (per layer class; --all for every one)"),
+                   title_justify="left")
+    for col in ("parameter", "placements", "shape", "local shape"):
+        params.add_column(col)
+    for row in parameter_rows(plan, all_nodes):
+        params.add_row(*row)
+    con.print(params)
+
+    coll = Table(title="collectives (logical, one per tensor)", title_justify="left")
+    for col in ("phase", "mesh axis", "kind", "count", "bytes", "time"):
+        coll.add_column(col, justify="right" if col in ("count", "bytes", "time") else "left")
+    for row in collective_rows(plan):
+        coll.add_row(*map(str, row))
+    if not plan.collectives:
+        coll.add_row("-", "-", "none", "0", "0 B", "0")
+    con.print(coll)
+
+    if all_nodes:
+        nodes = Table(title="nodes", title_justify="left")
+        for col in ("node", "op", "location", "strategy", "compute"):
+            nodes.add_column(col)
+        for n in plan.nodes:
+            nodes.add_row(n.name, n.op, n.location, n.strategy, _fmt_s(n.compute_s))
+        con.print(nodes)
+
+    sv = plan.solver
+    con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {_fmt_s(sv['objective'])}, "
+              f"{sv['variables']} variables, {sv['constraints']} constraints, {sv['wall_s']:.2f} s")
+    for w in plan.warnings:
+        con.print(f"[yellow]warning:[/yellow] {w}")

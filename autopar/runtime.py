@@ -1,0 +1,216 @@
+"""Runtime: the process group and DeviceMesh from the torchrun environment, the
+sharded parameters, and an nn.Module that runs the emitted program.
+
+``ParallelModule`` behaves like the user's model: ``.parameters()`` are this
+rank's shards (an ordinary optimizer updates them; elementwise optimizers such
+as SGD and AdamW then match single-device training exactly), and
+``state_dict()`` / ``load_state_dict()`` speak full tensors under the original
+names, so checkpoints move between single-device and parallel runs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_unflatten, treespec_loads
+
+from autopar import spmd
+from autopar.errors import AutoparError, LaunchError
+from autopar.passes.strategy import parse_spec
+from autopar.plan import Plan
+
+
+def in_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(nproc: int) -> str:
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
+    return f"torchrun --nproc-per-node {nproc} {' '.join([script, *sys.argv[1:]])}"
+
+
+def init_distributed(mesh_shape, axis_names):
+    """Join the torchrun job (gloo on CPU, NCCL on GPUs) and build the mesh."""
+    size = 1
+    for s in mesh_shape:
+        size *= s
+    if not in_torchrun() and not dist.is_initialized():
+        raise LaunchError(
+            f"autopar runs the plan on {size} processes, but this is not a torchrun job. Launch it with:\n"
+            f"    {torchrun_command(size)}\n"
+            "or pass single_device=True to run the plain model on this process"
+        )
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world != size:
+        shape = " x ".join(f"{n}({s})" for n, s in zip(axis_names, mesh_shape))
+        raise LaunchError(
+            f"world size {world} does not match the plan's mesh: {shape} = {size} devices. "
+            f"Launch with torchrun --nproc-per-node {size} (or --nnodes N --nproc-per-node {size}/N), "
+            f"or compile the plan for a mesh of {world} devices"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def shard_of(full: torch.Tensor, placements, mesh) -> torch.Tensor:
+    """This rank's piece of ``full`` (no communication: every rank holds ``full``)."""
+    local = full
+    coord = mesh.get_coordinate()
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            local = local.chunk(mesh.size(axis), dim=p.dim)[coord[axis]]
+    return local.contiguous()
+
+
+def _split(fqn: str):
+    parent, _, leaf = fqn.rpartition(".")
+    return parent, leaf
+
+
+class ParallelModule(nn.Module):
+    """The user's model, running ``plan`` on this rank."""
+
+    def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
+                 device_mesh=None, local_inputs: bool = False):
+        super().__init__()
+        self.plan = plan
+        self.mesh = device_mesh if device_mesh is not None else init_distributed(plan.mesh.shape, plan.mesh.names)
+        self.rank = dist.get_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
+            else torch.device("cpu")
+        self._program = program
+        self._local_inputs = local_inputs
+        self._placements = {}
+        nd = plan.mesh.ndim
+        names = dict(model.named_parameters())
+        missing = [f for f in plan.parameters if f not in names]
+        if missing:
+            raise AutoparError(f"the plan shards parameters the model does not have: {missing[:5]}")
+        for fqn, info in plan.parameters.items():
+            placements = tuple(parse_spec("".join(info["placements"]), nd))
+            self._placements[fqn] = placements
+            full = names[fqn].detach().to(device)
+            parent, leaf = _split(fqn)
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, leaf, nn.Parameter(shard_of(full, placements, self.mesh),
+                                              requires_grad=names[fqn].requires_grad))
+        for fqn, buf in list(model.named_buffers()):
+            parent, leaf = _split(fqn)
+            owner = model.get_submodule(parent) if parent else model
+            owner._buffers[leaf] = buf.to(device)
+        # Register the model's own children and tensors here so names stay the originals.
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        self._model = [model]  # not a submodule: avoid a "model." prefix
+        self._order = plan.model.get("placeholders") or []
+        self._out_spec = treespec_loads(plan.model["out_spec"])
+        self.loss_fn = loss_fn
+
+    @property
+    def module(self) -> nn.Module:
+        return self._model[0]
+
+    def _flat_args(self, inputs):
+        model = self._model[0]
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        out = []
+        for kind, key in self._order:
+            if kind == "param":
+                out.append(params[key])
+            elif kind == "buffer":
+                out.append(buffers[key])
+            else:
+                out.append(inputs[key])
+        return out
+
+    def forward(self, *inputs):
+        expected = len(self.plan.inputs)
+        if len(inputs) != expected:
+            raise AutoparError(
+                f"the plan takes {expected} input(s) ({'model inputs then the target' if self.plan.model.get('has_loss') else 'model inputs'}), got {len(inputs)}"
+            )
+        device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
+            torch.device("cuda", torch.cuda.current_device())
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with spmd.use_mesh(self.mesh):
+            flat = self._program(*self._flat_args(inputs))
+        return tree_unflatten(list(flat), self._out_spec)
+
+    # --- checkpoints speak full tensors ---------------------------------
+    def state_dict(self, *args, **kwargs):
+        sd = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        for fqn, placements in self._placements.items():
+            key = prefix + fqn
+            if key in sd and any(isinstance(p, Shard) for p in placements):
+                local = sd[key]
+                sd[key] = DTensor.from_local(local.detach(), self.mesh, placements, run_check=False).full_tensor()
+        return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        local = dict(state_dict)
+        for fqn, placements in self._placements.items():
+            if fqn in local:
+                local[fqn] = shard_of(local[fqn], placements, self.mesh)
+        return super().load_state_dict(local, strict=strict, assign=assign)
+
+
+def load_factory(spec: str):
+    """'path/to/file.py:FACTORY' -> (model, example_inputs, loss_fn or None)."""
+    if ":" not in spec:
+        raise AutoparError(f"model source {spec!r} must look like FILE.py:FACTORY")
+    path, name = spec.rsplit(":", 1)
+    if not os.path.exists(path):
+        raise AutoparError(f"model file {path!r} does not exist")
+    mod_name = "autopar_user_" + os.path.splitext(os.path.basename(path))[0]
+    module = sys.modules.get(mod_name)
+    if module is None or getattr(module, "__file__", None) != os.path.abspath(path):
+        loader_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[mod_name] = module
+        loader_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise AutoparError(f"{path} has no factory {name!r}")
+    out = getattr(module, name)()
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise AutoparError(f"factory {spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
+    model, inputs = out[0], out[1]
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    return model, inputs, out[2] if len(out) == 3 else None
+
+
+def single_device_reference(source: str, steps: int, lr: float):
+    """Losses and final state of the plain model trained the same way on one process."""
+    model, inputs, loss_fn = load_factory(source)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = model(*inputs[:-1]) if loss_fn is not None else model(*inputs)
+        loss = loss_fn(out, inputs[-1]) if loss_fn is not None else out.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}

@@ -1,0 +1,240 @@
+"""The run-time vocabulary of emitted programs.
+
+Every per-rank program autopar writes calls only these functions (plus ATen
+ops). Tensors travel between ops as DTensors over the current DeviceMesh:
+
+* ``reshard`` moves a tensor to the placements its consumer's strategy wants
+  (DTensor redistribute: the all-gather / all-reduce / reduce-scatter /
+  all-to-all the plan lists for that edge, with autograd);
+* ``op`` runs one ATen op on the local shards. The strategy rules only admit
+  placements under which the local op is exact, so no communication happens
+  inside an op; the gradient of an input that was replicated over an axis the
+  op splits comes back Partial (sum), which the preceding reshard's backward
+  reduces.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from autopar.errors import ShardingError
+from autopar.passes.strategy import fmt_spec, parse_spec
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def use_mesh(mesh):
+    """Run emitted code on ``mesh`` (a torch DeviceMesh)."""
+    prev = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        yield
+    finally:
+        _state.mesh = prev
+
+
+def _mesh():
+    mesh = getattr(_state, "mesh", None)
+    if mesh is None:
+        raise RuntimeError("autopar program called outside autopar.spmd.use_mesh(mesh)")
+    return mesh
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(text: str, ndim: int) -> tuple:
+    return parse_spec(text, ndim)
+
+
+def param(local: torch.Tensor, spec: str) -> DTensor:
+    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``
+    (the gradient all-reduce / reduce-scatter happens here, in backward)."""
+    mesh = _mesh()
+    return DTensor.from_local(local, mesh, _spec(spec, mesh.ndim), run_check=False)
+
+
+def replicate(t: torch.Tensor) -> DTensor:
+    mesh = _mesh()
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = False) -> DTensor:
+    """A user input: the full global batch (sliced here, no communication), or
+    with ``local_input`` this rank's own shard (e.g. from a DistributedSampler)."""
+    mesh = _mesh()
+    placements = _spec(spec, mesh.ndim)
+    if local_input:
+        dt = DTensor.from_local(t, mesh, placements, run_check=False)
+        if list(dt.shape) != list(shape):
+            raise ShardingError(
+                f"local input of shape {list(t.shape)} with placements {spec} makes a global shape "
+                f"{list(dt.shape)}, but the plan was compiled for {list(shape)}"
+            )
+        return dt
+    if list(t.shape) != list(shape):
+        raise ShardingError(
+            f"input of shape {list(t.shape)} does not match the plan, compiled for {list(shape)}; "
+            "autopar plans static shapes: recompile for this shape (the decorator form does so itself)"
+        )
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, placements)
+
+
+def reshard(x: DTensor, spec: str) -> DTensor:
+    """Move ``x`` to the placements ``spec``: the collective(s) the plan lists for this edge."""
+    mesh = _mesh()
+    want = _spec(spec, mesh.ndim)
+    to_partial = [isinstance(b, Partial) and a != b for a, b in zip(x.placements, want)]
+    if not any(to_partial):
+        return x.redistribute(mesh, want)
+    # DTensor redistributes to Partial only internally: go through Replicate, then
+    # keep the value on one rank of each such axis (zeros elsewhere).
+    via = tuple(Replicate() if tp else b for tp, b in zip(to_partial, want))
+    return _ToPartial.apply(x.redistribute(mesh, via), want)
+
+
+class _ToPartial(torch.autograd.Function):
+    """Replicate -> Partial(sum) on some axes: rank 0 of the axis keeps the value.
+    The gradient of a partial sum is the full gradient on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, want: tuple):
+        mesh = x.device_mesh
+        ctx.src = x.placements
+        local = x.to_local()
+        coord = mesh.get_coordinate()
+        for axis, (a, b) in enumerate(zip(x.placements, want)):
+            if isinstance(b, Partial) and not isinstance(a, Partial) and coord[axis] != 0:
+                local = torch.zeros_like(local)
+        return DTensor.from_local(local, mesh, want, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        target = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src)
+        return grad.redistribute(grad.device_mesh, target), None
+
+
+def _grad_placements(placements, splits) -> tuple:
+    """Where the gradient of an op input lands (see cost_models.resharding.grad_spec)."""
+    out = []
+    for p, split in zip(placements, splits):
+        if isinstance(p, Partial):
+            out.append(Replicate())
+        elif isinstance(p, Replicate) and split:
+            out.append(Partial())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _unwrap(args, kwargs, out_spec: tuple):
+    """Local tensors of the DTensor arguments, with their gradient placements."""
+    dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (list, tuple)):
+            dts.extend(a for a in v if isinstance(a, DTensor))
+    splits = [any(isinstance(p, Shard) for p in (*(d.placements[a] for d in dts), out_spec[a]))
+              for a in range(len(out_spec))]
+
+    def un(a):
+        if isinstance(a, DTensor):
+            return a.to_local(grad_placements=_grad_placements(a.placements, splits))
+        if isinstance(a, (list, tuple)):
+            return type(a)(un(x) for x in a)
+        return a
+
+    return [un(a) for a in args], {k: un(v) for k, v in kwargs.items()}
+
+
+def _wrap(out, spec: tuple):
+    mesh = _mesh()
+    if isinstance(out, torch.Tensor):
+        return DTensor.from_local(out, mesh, spec, run_check=False)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o, spec) for o in out)
+    return out
+
+
+def op(node: str, fn, spec: str, *args, **kwargs):
+    """Run one op on the local shards; its output has the planned placements ``spec``."""
+    mesh = _mesh()
+    out_spec = _spec(spec, mesh.ndim)
+    largs, lkwargs = _unwrap(args, kwargs, out_spec)
+    try:
+        out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, largs, lkwargs, args)
+    except Exception as e:
+        placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
+        raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
+    # A mean over a dim split n ways is the local mean / n, summed over ranks.
+    avg = [a for a, p in enumerate(out_spec) if isinstance(p, Partial) and p.reduce_op == "avg"]
+    if avg:
+        out = out / math.prod(mesh.size(a) for a in avg)
+        out_spec = tuple(Partial() if a in avg else p for a, p in enumerate(out_spec))
+    return _wrap(out, out_spec)
+
+
+def reshape(node: str, fn, spec: str, x: DTensor, local_shape: list, *rest):
+    """A view/reshape/expand: the same op on the local shard, to the local shape."""
+    mesh = _mesh()
+    out_spec = _spec(spec, mesh.ndim)
+    (lx,), _ = _unwrap((x,), {}, out_spec)
+    if fn is torch.ops.aten.expand.default:
+        out = lx.expand(local_shape)
+    else:
+        out = lx.reshape(local_shape)
+    return _wrap(out, out_spec)
+
+
+def factory(fn, *args, **kwargs):
+    """A tensor factory (arange, zeros, ...): the same replicated tensor on every
+    rank, made on this rank's device."""
+    mesh = _mesh()
+    if "device" in kwargs:
+        kwargs["device"] = torch.device(mesh.device_type, torch.cuda.current_device()) \
+            if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    return DTensor.from_local(fn(*args, **kwargs), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def output(x):
+    """A program output: the full (global) value on every rank."""
+    if isinstance(x, DTensor):
+        mesh = _mesh()
+        return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+    return x
+
+
+# --- local implementations that need to know their shard -----------------
+
+def _plain(fn, mesh, args, kwargs, dargs):
+    return fn(*args, **kwargs)
+
+
+def _shard_index(mesh, placements, dim: int) -> tuple[int, int]:
+    """(index, count) of this rank's piece of a dim sharded on several axes (axis 0 outermost)."""
+    coord = mesh.get_coordinate()
+    index, count = 0, 1
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == dim:
+            index = index * mesh.size(axis) + coord[axis]
+            count *= mesh.size(axis)
+    return index, count
+
+
+def _embedding(fn, mesh, args, kwargs, dargs):
+    """Lookup in this rank's rows of the table: ids outside them give zeros, so
+    over a vocabulary split the result is a Partial (sum)."""
+    w, idx, *rest = args
+    index, count = _shard_index(mesh, dargs[0].placements, 0)
+    if count == 1:
+        return fn(w, idx, *rest, **kwargs)
+    start = index * w.shape[0]
+    inside = (idx >= start) & (idx < start + w.shape[0])
+    out = fn(w, torch.where(inside, idx - start, torch.zeros_like(idx)), *rest, **kwargs)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+LOCAL_IMPLS = {torch.ops.aten.embedding.default: _embedding}

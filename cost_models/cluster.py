@@ -1,0 +1,322 @@
+"""Cluster descriptions: the physical machine a plan runs on.
+
+A cluster is hierarchical: ``devices_per_node`` devices share an intra-node link
+(NVLink/NVSwitch, or shared memory for CPU ranks); nodes are joined by an
+inter-node link (InfiniBand, Ethernet). Bandwidths are per device and per
+direction, in bytes/s, as the NCCL "bus bandwidth" a ring reaches on that level
+(line rate less protocol overhead), not the line rate itself.
+
+Presets live in a registry (``register_cluster`` / ``get_cluster``); a JSON file
+with the same fields (see docs/clusters.md) is accepted wherever a preset name
+is, and so is the profile ``autopar calibrate`` writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Literal
+
+from autopar.errors import ClusterError
+
+GB = 1e9
+GiB = 2**30
+
+DTYPES = ("fp32", "bf16", "fp16")
+"""Compute dtypes a device lists peak FLOP/s for."""
+
+
+def _positive(where: str, name: str, value, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ClusterError(f"{where}: {name} must be a finite number {bound}, got {value!r}")
+
+
+def _fraction(where: str, name: str, value) -> None:
+    _positive(where, name, value)
+    if value > 1:
+        raise ClusterError(f"{where}: {name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the interconnect."""
+
+    bandwidth: float
+    """Bus bandwidth per device per direction that a ring collective reaches, bytes/s."""
+    latency: float
+    """Per-message latency (alpha) of one ring step, seconds."""
+
+    def __post_init__(self):
+        _positive("link", "bandwidth (bytes/s)", self.bandwidth)
+        _positive("link", "latency (s)", self.latency, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one CPU rank).
+
+    Compute time of an op is a roofline (cost_models/compute.py): a GEMM of F
+    FLOPs takes ``gemm_latency + F / (peak * gemm_efficiency)``, so small GEMMs
+    reach a smaller fraction of peak than large ones; memory-bound ops move
+    bytes at ``memory_bandwidth * memory_efficiency``."""
+
+    name: str
+    peak_flops: dict
+    """Dense peak FLOP/s per compute dtype: keys among 'fp32', 'bf16', 'fp16'."""
+    memory: float
+    """Device memory, bytes."""
+    memory_bandwidth: float
+    """Main-memory bandwidth, bytes/s (datasheet figure, or measured for a calibrated profile)."""
+    gemm_efficiency: float = 1.0
+    """Fraction of peak that a large GEMM sustains (the asymptote of the GEMM curve)."""
+    gemm_latency: float = 0.0
+    """Fixed seconds per GEMM (launch, pipeline fill, last partial wave): the
+    intercept of GEMM time against FLOPs. It makes small GEMMs less efficient."""
+    memory_efficiency: float = 1.0
+    """Fraction of ``memory_bandwidth`` that streaming (element-wise) kernels reach."""
+    op_latency: float = 0.0
+    """Fixed seconds per non-GEMM op (kernel launch, or eager dispatch on CPU)."""
+
+    def __post_init__(self):
+        where = f"device {self.name!r}"
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            raise ClusterError(f"{where}: peak_flops must be a non-empty object {{dtype: FLOP/s}}, got {self.peak_flops!r}")
+        for k, v in self.peak_flops.items():
+            if k not in DTYPES:
+                raise ClusterError(f"{where}: peak_flops key {k!r} is not one of {', '.join(DTYPES)}")
+            _positive(where, f"peak_flops[{k!r}]", v)
+        _positive(where, "memory (bytes)", self.memory)
+        _positive(where, "memory_bandwidth (bytes/s)", self.memory_bandwidth)
+        _fraction(where, "gemm_efficiency", self.gemm_efficiency)
+        _fraction(where, "memory_efficiency", self.memory_efficiency)
+        _positive(where, "gemm_latency (s)", self.gemm_latency, allow_zero=True)
+        _positive(where, "op_latency (s)", self.op_latency, allow_zero=True)
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``; dtypes the device does not list fall back to fp32."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops.get("fp32", min(self.peak_flops.values()))
+
+    def gemm_curve(self, flops: float, dtype: str = "fp32") -> float:
+        """Fraction of peak a GEMM of ``flops`` FLOPs reaches (compute-bound case)."""
+        if flops <= 0:
+            return 0.0
+        ideal = flops / (self.flops(dtype) * self.gemm_efficiency)
+        return self.gemm_efficiency * ideal / (ideal + self.gemm_latency)
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s an element-wise kernel moves."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous cluster: ``nodes`` nodes of ``devices_per_node`` devices."""
+
+    name: str
+    device: Device
+    """The accelerator (or CPU rank)."""
+    devices_per_node: int
+    """Devices that share the intra-node link."""
+    intra_node: Link
+    """Link between devices of one node."""
+    inter_node: Link
+    """Link between nodes, per device."""
+    nodes: int | None = None
+    """Number of nodes available; None means as many as the mesh needs."""
+    oversubscription: float = 1.0
+    """Inter-node fabric oversubscription (1 = full bisection bandwidth)."""
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """torch.distributed backend the programs use on this cluster."""
+    source: str = ""
+    """Where the numbers come from."""
+    calibration: dict | None = None
+    """Raw measurements behind a calibrated profile (informational; see cost_models/calibrate.py)."""
+
+    def __post_init__(self):
+        where = f"cluster {self.name!r}"
+        if not isinstance(self.devices_per_node, int) or isinstance(self.devices_per_node, bool) \
+                or self.devices_per_node < 1:
+            raise ClusterError(f"{where}: devices_per_node must be a positive integer, got {self.devices_per_node!r}")
+        if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
+            raise ClusterError(f"{where}: nodes must be a positive integer or null, got {self.nodes!r}")
+        _positive(where, "oversubscription", self.oversubscription)
+        if self.oversubscription < 1:
+            raise ClusterError(f"{where}: oversubscription must be >= 1, got {self.oversubscription!r}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ClusterError(f"{where}: backend must be 'nccl' or 'gloo', got {self.backend!r}")
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        if out["calibration"] is None:
+            del out["calibration"]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Cluster":
+        """Build and validate a cluster from its JSON object (docs/clusters.md)."""
+        if not isinstance(obj, dict):
+            raise ClusterError(f"a cluster description must be a JSON object, got {type(obj).__name__}")
+        name = obj.get("name", "<unnamed>")
+        top = _fields_of(cls, obj, f"cluster {name!r}")
+        top["device"] = Device(**_fields_of(Device, obj["device"], f"cluster {name!r}: device"))
+        for level in ("intra_node", "inter_node"):
+            where = f"cluster {name!r}: {level}"
+            try:
+                top[level] = Link(**_fields_of(Link, obj[level], where))
+            except ClusterError as e:
+                raise ClusterError(f"{where}: {e}") from None
+        return cls(**top)
+
+
+def _fields_of(cls, obj, where: str) -> dict:
+    """``obj`` checked against the fields of dataclass ``cls``: an object, no
+    unknown fields, every required field present."""
+    if not isinstance(obj, dict):
+        raise ClusterError(f"{where} must be a JSON object, got {obj!r}")
+    known = [f.name for f in fields(cls)]
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise ClusterError(f"{where} has unknown field(s) {unknown}; known fields are {known}")
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise ClusterError(f"{where} lacks required field(s) {missing}; required fields are {required}")
+    return dict(obj)
+
+
+_REGISTRY: dict[str, Cluster] = {}
+
+
+def register_cluster(cluster: Cluster) -> Cluster:
+    if cluster.name in _REGISTRY:
+        raise ClusterError(f"cluster preset {cluster.name!r} is already registered")
+    _REGISTRY[cluster.name] = cluster
+    return cluster
+
+
+def cluster_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_cluster_file(path: str) -> Cluster:
+    """A cluster from a JSON file: a bare cluster object, or ``{"cluster": {...}}``."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ClusterError(f"cluster file {path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ClusterError(f"cluster file {path}: cannot be read ({e.strerror})") from None
+    if isinstance(obj, dict) and "cluster" in obj:
+        obj = obj["cluster"]
+    try:
+        return Cluster.from_json(obj)
+    except ClusterError as e:
+        raise ClusterError(f"cluster file {path}: {e}") from None
+
+
+def get_cluster(spec) -> Cluster:
+    """A Cluster, a preset name, a JSON object, or the path of a JSON cluster/profile file."""
+    if isinstance(spec, Cluster):
+        return spec
+    if isinstance(spec, dict):
+        return Cluster.from_json(spec.get("cluster", spec))
+    if isinstance(spec, (str, os.PathLike)):
+        spec = os.fspath(spec)
+        if spec in _REGISTRY:
+            return _REGISTRY[spec]
+        if os.path.exists(spec):
+            return load_cluster_file(spec)
+    raise ClusterError(
+        f"unknown cluster {spec!r}; valid presets are {cluster_names()}, or give the path of a cluster JSON file"
+    )
+
+
+# --- presets ---------------------------------------------------------------
+# Peak FLOP/s, memory and HBM bandwidth: NVIDIA datasheets (A100 SXM 80GB,
+# H100 SXM, H200 SXM, V100 SXM2), as tabulated in shared/REFERENCE.md. fp32
+# peaks are the non-tensor-core datasheet figures (A100 19.5, H100/H200 67,
+# V100 15.7 TFLOP/s).
+#
+# Link bandwidths are what NCCL reaches, not line rates:
+# - NVLink: line rate per direction (A100 NVLink3 600 GB/s bidirectional ->
+#   300; H100/H200 NVLink4 900 -> 450; V100 NVLink2 300 -> 150) less NCCL's
+#   ~20% protocol overhead: "450GB/s is the line rate. With the protocol
+#   overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s"
+#   (NCCL maintainer, github.com/NVIDIA/nccl-tests/issues/212). Hence 240, 370
+#   and 120 GB/s.
+# - InfiniBand, one HCA per GPU: HDR 200 Gb/s reaches 24 GB/s busbw ("you should
+#   get ... 24GB/s inter-node", github.com/NVIDIA/nccl/issues/412; "DGX-A100 ...
+#   8x200Gbit/s IB cards ... 192GB/s AllReduce BusBW", github.com/NVIDIA/nccl/
+#   issues/812); NDR 400 Gb/s (CX-7) reaches 48 GB/s ("CX-7 NICs at NDR rate
+#   should achieve up to 48-49GB/s per NIC", github.com/NVIDIA/nccl-tests/issues/267).
+# - p3.16xlarge: 25 Gb/s Ethernet per instance (AWS EC2 instance page), shared
+#   by the 8 GPUs, line rate (no NCCL measurement at hand).
+# Latencies: ~5 us intra-node and ~10 us inter-node per ring step, the order of
+# NCCL small-message times (a 16-GPU 2-node all-reduce of 4 B takes ~47 us,
+# github.com/NVIDIA/nccl/issues/1244).
+#
+# GEMM and streaming efficiencies of the A100 are fitted once, globally, to the
+# ten Megatron-LM runs of Narayanan et al. (SC'21, Table 1; shared/REFERENCE.md)
+# by ``python benchmarks/validate_cost_model.py --fit`` (two constants for all
+# rows, not per row; docs/validation.md reports the fit and its leave-one-out
+# error). GEMM latency 3 us: the intercept implied by Calculon's A100 matrix
+# efficiency table (60% of the asymptote at 1 GFLOP; Isaev et al. SC'23,
+# github.com/calculon-ai/calculon systems/a100_80g.json). H100, H200 and V100
+# reuse the A100 fractions (same cuBLAS/NCCL software stack); that is an
+# assumption, flagged in docs/clusters.md.
+A100_GEMM_EFFICIENCY = 0.66
+"""Asymptotic GEMM fraction of peak, A100 (fit, benchmarks/validate_cost_model.py --fit)."""
+A100_MEMORY_EFFICIENCY = 0.78
+"""Streaming-kernel fraction of HBM bandwidth, A100 (fit, benchmarks/validate_cost_model.py --fit)."""
+GEMM_LATENCY = 3e-6
+"""Seconds per GEMM (Calculon A100 efficiency table, see above)."""
+KERNEL_LATENCY = 3e-6
+"""Seconds per CUDA kernel launch (same order as GEMM_LATENCY; CUDA launch overhead is a few us)."""
+
+_GPU_EFFICIENCIES = dict(gemm_efficiency=A100_GEMM_EFFICIENCY, gemm_latency=GEMM_LATENCY,
+                         memory_efficiency=A100_MEMORY_EFFICIENCY, op_latency=KERNEL_LATENCY)
+
+A100_80GB = Device("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 2039 * GB,
+                   **_GPU_EFFICIENCIES)
+H100_80GB = Device("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 3350 * GB,
+                   **_GPU_EFFICIENCIES)
+H200 = Device("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 4800 * GB,
+              **_GPU_EFFICIENCIES)
+V100_32GB = Device("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 32 * GB, 900 * GB,
+                   **_GPU_EFFICIENCIES)
+
+NVLINK3 = Link(240 * GB, 5e-6)
+NVLINK4 = Link(370 * GB, 5e-6)
+NVLINK2 = Link(120 * GB, 5e-6)
+IB_HDR = Link(24 * GB, 10e-6)
+IB_NDR = Link(48 * GB, 10e-6)
+
+register_cluster(Cluster(
+    "dgx-a100", A100_80GB, 8, NVLINK3, IB_HDR,
+    source="Selene-like DGX A100: 8 x A100 80GB on NVSwitch, 8 x HDR 200 Gb/s per node",
+))
+register_cluster(Cluster(
+    "dgx-h100", H100_80GB, 8, NVLINK4, IB_NDR,
+    source="DGX H100: 8 x H100 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
+))
+register_cluster(Cluster(
+    "h200", H200, 8, NVLINK4, IB_NDR,
+    source="HGX H200: 8 x H200 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
+))
+register_cluster(Cluster(
+    "p3.16xlarge", V100_32GB, 8, NVLINK2, Link(25e9 / 8 / 8, 30e-6),
+    source="AWS p3.16xlarge: 8 x V100 on NVLink2 (300 GB/s bidirectional), 25 Gb/s Ethernet per instance",
+))
+
+PROFILES_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+for _file in sorted(os.listdir(PROFILES_DIR)):
+    if _file.endswith(".json"):
+        register_cluster(load_cluster_file(os.path.join(PROFILES_DIR, _file)))

@@ -1,0 +1,137 @@
+"""Alpha-beta cost of collectives on one mesh axis of a cluster.
+
+A mesh axis is mapped onto the cluster's levels (``axis_links``): ranks are
+row-major, so axis ``i`` connects ranks ``stride = prod(shape[i+1:])`` apart.
+If the whole group fits in a node it uses the intra-node link; if every member
+sits on a different node it uses the inter-node link; otherwise the collective
+is hierarchical (intra-node phase, then inter-node on the reduced data).
+
+Ring costs follow the NCCL bus-bandwidth factors (nccl-tests PERFORMANCE.md):
+all-reduce moves 2(n-1)/n of the bytes, all-gather / reduce-scatter /
+all-to-all (n-1)/n of the full (gathered) buffer. An all-reduce may also run as
+a (double binary) tree, 2 ceil(log2 n) latency steps and 2S/B on the wire;
+``collective_time(..., algorithm=Algorithm.BEST)`` takes the faster of the two,
+as NCCL's tuner does. The default is the ring, which is also the form
+``autopar calibrate`` fits to measured gloo/NCCL times.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from autopar.cost_models.cluster import Cluster, Link
+
+
+class Algorithm(str, Enum):
+    RING = "ring"
+    TREE = "tree"
+    """All-reduce only; other collectives always use the ring."""
+    BEST = "best"
+    """The faster of ring and tree for all-reduce."""
+
+
+class Collective(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+
+
+@dataclass(frozen=True)
+class AxisLinks:
+    """How one mesh axis of size ``size`` sits on the cluster."""
+
+    size: int
+    intra: int
+    """Members of the group that share a node (1 if the axis only spans nodes)."""
+    inter: int
+    """Nodes the group spans (1 if the axis fits in a node)."""
+    intra_link: Link
+    inter_link: Link
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.inter > 1
+
+
+def axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> list[AxisLinks]:
+    out = []
+    dpn = cluster.devices_per_node
+    inter_bw = cluster.inter_node.bandwidth / cluster.oversubscription
+    inter_link = Link(inter_bw, cluster.inter_node.latency)
+    for i, size in enumerate(mesh_shape):
+        stride = math.prod(mesh_shape[i + 1:])
+        if stride * size <= dpn:
+            intra, inter = size, 1
+        elif stride >= dpn:
+            intra, inter = 1, size
+        else:
+            intra = max(1, dpn // stride)
+            inter = max(1, size // intra)
+        out.append(AxisLinks(size, intra, inter, cluster.intra_node, inter_link))
+    return out
+
+
+def ring_bytes(kind: Collective, nbytes: float, n: int) -> float:
+    """Bytes each rank sends in the ring algorithm for a buffer of ``nbytes``
+    (the full buffer for gathers/scatters)."""
+    kind = Collective(kind)
+    if n <= 1:
+        return 0.0
+    if kind is Collective.ALL_REDUCE:
+        return 2 * (n - 1) / n * nbytes
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (n - 1) / n * nbytes
+    return float(nbytes)
+
+
+def _tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Reduce up and broadcast down a pipelined binary tree."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
+
+
+def _ring(kind: Collective, nbytes: float, n: int, link: Link, algorithm: Algorithm = Algorithm.RING) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind is Collective.ALL_REDUCE:
+        ring = 2 * (n - 1) * link.latency + ring_bytes(kind, nbytes, n) / link.bandwidth
+        if algorithm is Algorithm.RING:
+            return ring
+        tree = _tree_all_reduce(nbytes, n, link)
+        return tree if algorithm is Algorithm.TREE else min(ring, tree)
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (n - 1) * link.latency + ring_bytes(kind, nbytes, n) / link.bandwidth
+    if kind is Collective.SEND_RECV:
+        return link.latency + nbytes / link.bandwidth
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
+                    algorithm: Algorithm = Algorithm.RING) -> float:
+    """Seconds for one collective over ``nbytes`` (the full, unsharded buffer for
+    gather/scatter kinds; the buffer each rank holds for all-reduce)."""
+    kind, algorithm = Collective(kind), Algorithm(algorithm)
+    if axis.size <= 1:
+        return 0.0
+    if axis.inter == 1:
+        return _ring(kind, nbytes, axis.size, axis.intra_link, algorithm)
+    if axis.intra == 1:
+        return _ring(kind, nbytes, axis.size, axis.inter_link, algorithm)
+    # Hierarchical: intra-node phase on the full buffer, inter-node phase on
+    # the 1/intra slice each device is responsible for.
+    if kind is Collective.ALL_REDUCE:
+        return (
+            _ring(Collective.REDUCE_SCATTER, nbytes, axis.intra, axis.intra_link)
+            + _ring(Collective.ALL_REDUCE, nbytes / axis.intra, axis.inter, axis.inter_link, algorithm)
+            + _ring(Collective.ALL_GATHER, nbytes, axis.intra, axis.intra_link)
+        )
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return _ring(kind, nbytes / axis.intra, axis.inter, axis.inter_link) + _ring(
+            kind, nbytes, axis.intra, axis.intra_link
+        )
+    # all-to-all and point-to-point: bound by the slowest (inter-node) level.
+    return _ring(kind, nbytes, axis.size, axis.inter_link)

@@ -1,0 +1,32 @@
+"""Compute time of one operator: a roofline over FLOPs and bytes moved, with
+the device's calibrated efficiencies.
+
+    GEMM:  gemm_latency + max(F / (peak * gemm_efficiency), B / streaming_bw)
+    other: op_latency   + max(F / peak,                     B / streaming_bw)
+
+The fixed latency is what makes a small GEMM reach a smaller fraction of peak
+than a large one (``Device.gemm_curve``); both constants come from the cluster
+description (datasheet, paper or ``autopar calibrate``; cost_models/cluster.py).
+"""
+from __future__ import annotations
+
+from autopar.cost_models.cluster import Device
+
+
+def op_time(flops: float, nbytes: float, device: Device, dtype: str = "fp32", *, matmul: bool = False) -> float:
+    """Seconds for an op doing ``flops`` and moving ``nbytes`` to and from memory."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    peak = device.flops(dtype)
+    memory = nbytes / device.streaming_bandwidth
+    if matmul:
+        return device.gemm_latency + max(flops / (peak * device.gemm_efficiency), memory)
+    return device.op_latency + max(flops / peak, memory)
+
+
+def gemm_time(m: int, n: int, k: int, device: Device, dtype: str, elem_bytes: int, batch: int = 1) -> float:
+    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n), reading both operands and
+    writing the result once."""
+    flops = 2.0 * batch * m * n * k
+    nbytes = float(elem_bytes) * batch * (m * k + k * n + m * n)
+    return op_time(flops, nbytes, device, dtype, matmul=True)

@@ -1,0 +1,124 @@
+"""Costs of a captured graph under each strategy: compute per node, resharding
+per edge (forward and backward), and memory per device.
+
+This is the one place that prices a plan; ``autopar compile`` uses it for the
+ILP objective and for the plan's predictions."""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.capture import Graph, Node, NodeKind
+from autopar.cost_models.cluster import Cluster
+from autopar.cost_models.collectives import AxisLinks, axis_links
+from autopar.cost_models.compute import op_time
+from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, transitions
+from autopar.passes.rules import get_rule
+from autopar.passes.strategy import Strategy, shard_factor
+
+BYTES_PER_PARAM_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+"""Optimizer state tensors per parameter (SGD none, momentum one, Adam two moments)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def op_flops(node: Node) -> float:
+    """Forward FLOPs of one op on global shapes."""
+    info = node.info
+    if info is None:
+        return 0.0
+    out = info.outputs[0]
+    numel = math.prod(out.shape) if out.shape else 1
+    rule = get_rule(node.target)
+    if rule is not None and rule.matmul:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            q, k = info.inputs[0].shape, info.inputs[1].shape
+            # QK^T and PV: 2 * (2 * B H Sq Sk D)
+            return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+        contracted = info.inputs[0].shape[-1] if node.target is not torch.ops.aten.addmm.default \
+            else info.inputs[1].shape[-1]
+        if node.target is torch.ops.aten.baddbmm.default:
+            contracted = info.inputs[1].shape[-1]
+        return 2.0 * numel * contracted
+    return float(numel)
+
+
+def op_bytes(node: Node) -> float:
+    info = node.info
+    if info is None:
+        return 0.0
+    return float(sum(m.nbytes for m in info.inputs) + sum(m.nbytes for m in info.outputs))
+
+
+@dataclass
+class CostContext:
+    mesh_shape: tuple
+    cluster: Cluster
+    links: list  # list[AxisLinks]
+    optimizer: str = "adamw"
+
+    @classmethod
+    def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw") -> "CostContext":
+        return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer)
+
+
+def needs_grad(graph: Graph) -> set:
+    """Nodes whose output has a gradient (they depend on a parameter)."""
+    out = set()
+    for n in graph.nodes.values():
+        if n.kind is NodeKind.PARAM or (n.kind is NodeKind.OP and any(i in out for i in n.inputs)):
+            out.add(n.name)
+    return out
+
+
+def splits(strategy: Strategy, n_axes: int) -> tuple:
+    return tuple(strategy.splits(a) for a in range(n_axes))
+
+
+def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of a node under strategy ``s``."""
+    if node.kind is not NodeKind.OP or node.target is operator.getitem:
+        return 0.0, 0.0
+    work = math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
+    rule = get_rule(node.target)
+    matmul = rule is not None and rule.matmul
+    dtype = _dtype_name(node.out.dtype)
+    fwd = op_time(op_flops(node) / work, op_bytes(node) / work, ctx.cluster.device, dtype, matmul=matmul)
+    # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
+    # about one pass over the same data.
+    bwd = (2.0 if matmul else 1.0) * fwd if backward else 0.0
+    return fwd, bwd
+
+
+def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:
+    """Bytes per device this node holds over the step under strategy ``s``."""
+    ms = ctx.mesh_shape
+    if node.kind is NodeKind.PARAM:
+        local = node.out.nbytes / shard_factor(s.output, ms)
+        return local * (2 + BYTES_PER_PARAM_STATE.get(ctx.optimizer, 2))  # param + grad + states
+    if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
+        return node.out.nbytes / shard_factor(s.output, ms)
+    if node.kind is NodeKind.OP and backward and node.target is not operator.getitem:
+        return sum(m.nbytes for m in node.outputs) / shard_factor(s.output, ms)  # saved for backward
+    return 0.0
+
+
+def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):
+    """(forward moves, backward moves) on the edge into input ``index`` of a consumer."""
+    dst = consumer.inputs[index]
+    fwd = transitions(src_spec, dst, meta.nbytes, ctx.mesh_shape, ctx.links)
+    bwd = []
+    if backward:
+        g_in = grad_spec(dst, splits(consumer, len(ctx.mesh_shape)))
+        bwd = transitions(g_in, producer_grad_spec(src_spec), meta.nbytes, ctx.mesh_shape, ctx.links)
+    return fwd, bwd
+
+
+def seconds(moves: list[Move]) -> float:
+    return sum(m.seconds for m in moves)

@@ -1,0 +1,84 @@
+"""Resharding: the collectives that turn one placement spec into another, and
+their cost, forward and backward.
+
+Per mesh axis (DTensor redistributes axis by axis):
+  S(i) -> R      all-gather          P -> R     all-reduce
+  P -> S(i)      reduce-scatter      S(i)->S(j) all-to-all
+  R -> S(i)      local slice (free)  R -> P     local (free)
+The backward of an edge moves the gradient the other way: the consumer's
+gradient is Partial on an axis where the consumer took a Replicate input but
+split its work; a Partial producer receives a Replicate gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.cost_models.collectives import AxisLinks, Collective, collective_time
+
+
+@dataclass(frozen=True)
+class Move:
+    kind: Collective
+    axis: int
+    nbytes: float
+    """Bytes of the buffer the collective works on (the gathered size for gathers/scatters)."""
+    seconds: float
+
+
+def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links: list[AxisLinks]) -> list[Move]:
+    """Collectives for src -> dst of a tensor of ``nbytes`` global bytes."""
+    moves = []
+    src, dst = _as_sum(src), _as_sum(dst)
+    for axis, (a, b) in enumerate(zip(src, dst)):
+        if a == b or mesh_shape[axis] == 1:
+            continue
+        # the group for this axis holds the tensor cut by the *other* axes' shards
+        others = math.prod(mesh_shape[o] for o, p in enumerate(src) if o != axis and isinstance(p, Shard))
+        size = nbytes / others
+        kind = _kind(a, b)
+        if kind is None:
+            continue
+        moves.append(Move(kind, axis, size, collective_time(kind, size, links[axis])))
+    return moves
+
+
+def _as_sum(spec: tuple) -> tuple:
+    """A P(avg) runs as a Partial sum of scaled local values (autopar/spmd.py)."""
+    return tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in spec)
+
+
+def _kind(a, b) -> Collective | None:
+    if isinstance(a, Replicate):
+        return None  # R -> S is a slice, R -> P is local
+    if isinstance(a, Shard):
+        if isinstance(b, Shard):
+            return Collective.ALL_TO_ALL
+        return Collective.ALL_GATHER  # S -> R, and S -> P via R
+    if isinstance(a, Partial):
+        if isinstance(b, Shard):
+            return Collective.REDUCE_SCATTER
+        return Collective.ALL_REDUCE  # P -> R, and P(op) -> P(other op)
+    return None
+
+
+def grad_spec(spec: tuple, splits: tuple) -> tuple:
+    """The placement of the gradient flowing back into an input of this spec.
+
+    ``splits[a]`` says whether the consuming op divides its work over axis a."""
+    out = []
+    for p, split in zip(spec, splits):
+        if isinstance(p, Partial):
+            out.append(Replicate())
+        elif isinstance(p, Replicate) and split:
+            out.append(Partial())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def producer_grad_spec(spec: tuple) -> tuple:
+    """The gradient placement a producer with this output spec needs."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)

@@ -1,0 +1,62 @@
+"""Strategy enumeration: every node gets the list of strategies the ILP chooses from."""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+from autopar.capture import Graph, Node, NodeKind
+from autopar.passes.rules import get_rule
+from autopar.passes.strategy import R, Row, S, Strategy, expand_to_mesh
+
+log = logging.getLogger("autopar")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """An op without a sharding rule: it runs replicated."""
+
+    node: str
+    op: str
+    location: str
+
+
+def tensor_rows(node: Node) -> list[Row]:
+    shape = node.out.shape
+    rows = [Row(S(d), ()) for d in range(len(shape)) if shape[d] > 1]
+    rows.append(Row(R, ()))
+    return rows
+
+
+def enumerate_strategies(graph: Graph, mesh_shape: tuple) -> tuple[dict, list[Fallback]]:
+    strategies: dict[str, list[Strategy]] = {}
+    fallbacks: list[Fallback] = []
+    for node in graph.nodes.values():
+        strategies[node.name] = _node_strategies(node, graph, mesh_shape, strategies, fallbacks)
+    return strategies, fallbacks
+
+
+def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]:
+    k = node.kind
+    if k in (NodeKind.PARAM, NodeKind.INPUT):
+        return expand_to_mesh(tensor_rows(node), mesh_shape, [], [node.out.shape])
+    if k in (NodeKind.BUFFER, NodeKind.CONSTANT):
+        return [Strategy((), (R,) * len(mesh_shape))]
+    if k is NodeKind.OUTPUT:
+        return [Strategy(((R,) * len(mesh_shape),) * len(node.inputs), (R,) * len(mesh_shape))]
+    if node.target is operator.getitem:
+        specs = dict.fromkeys(s.output for s in done[node.inputs[0]])
+        return [Strategy((spec,), spec) for spec in specs]
+    rule = get_rule(node.target)
+    n_in = len(node.inputs)
+    if rule is None:
+        where = node.fqn or "the top level"
+        log.warning(
+            "autopar: no sharding rule for %s (node %s, in %s); it runs replicated on every device",
+            node.op_name, node.name, where,
+        )
+        fallbacks.append(Fallback(node.name, node.op_name, where))
+        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
+    rows = rule.fn(node.info)
+    out = expand_to_mesh(rows, mesh_shape, [m.shape for m in node.info.inputs], [m.shape for m in node.outputs])
+    return out

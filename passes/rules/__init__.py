@@ -1,0 +1,103 @@
+"""The op-rule registry: one small function per op family, written for ONE mesh
+axis. ``expand_to_mesh`` turns the rows into strategies over the whole mesh.
+
+Every row must be exact when the op runs on the local shards (that is how the
+runtime executes it, see autopar/spmd.py): sharding a dim the op treats
+independently, or a contracted/reduced dim that leaves a Partial sum.
+
+A rule receives an ``OpInfo`` (shapes of the tensor inputs and outputs, and the
+non-tensor arguments) and returns ``Row``s: for one mesh axis, the placement of
+the output and of each tensor input, in the order they appear in the args.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from autopar.errors import AutoparError
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * (torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else torch.iinfo(self.dtype).bits // 8 if self.dtype != torch.bool else 1)
+
+
+class TensorArg:
+    """Stands for the i-th tensor input inside ``OpInfo.args``."""
+
+    __slots__ = ("index", "meta")
+
+    def __init__(self, index: int, meta: TensorMeta):
+        self.index, self.meta = index, meta
+
+    def __repr__(self):
+        return f"TensorArg({self.index}, {self.meta.shape})"
+
+
+@dataclass
+class OpInfo:
+    target: object
+    args: tuple
+    kwargs: dict
+    inputs: list  # list[TensorMeta], tensor inputs in order of appearance
+    outputs: list  # list[TensorMeta]
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outputs[0]
+
+    def arg(self, i: int, name: str, default=None):
+        """Positional argument i, or keyword ``name``, or ``default``."""
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable
+    matmul: bool = False
+    """Costed as a GEMM (FLOPs at GEMM efficiency) rather than a memory-bound op."""
+
+
+_RULES: dict = {}
+
+
+def register(*targets, matmul: bool = False, local: bool = True):
+    # TODO(integration): drop ``local``; every op runs on local shards now.
+    def wrap(fn):
+        for t in targets:
+            if t in _RULES:
+                raise AutoparError(f"a sharding rule for {t} is already registered ({_RULES[t].fn.__name__})")
+            _RULES[t] = Rule(fn, matmul=matmul)
+        return fn
+    return wrap
+
+
+def get_rule(target) -> Rule | None:
+    return _RULES.get(target)
+
+
+def registered_ops() -> list:
+    return sorted(str(t) for t in _RULES)
+
+
+def _load():
+    from autopar.passes.rules import conv, extra, matmul, misc, norm, pointwise, reduction, view  # noqa: F401
+
+
+_load()

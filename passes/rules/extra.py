@@ -1,0 +1,206 @@
+"""Ops the example models need beyond the core families: batch and group norm,
+pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
+gather/scatter index ops.
+
+Every row is exact when the op runs on the local shards with its own
+(global) non-tensor arguments, which is how the emitted program runs it.
+"""
+from __future__ import annotations
+
+import string
+
+from torch.ops import aten
+
+from autopar.errors import AutoparError
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.rules.matmul import einsum_rows
+from autopar.passes.rules.pointwise import broadcast_rows
+from autopar.passes.strategy import P, R, Row, S
+
+
+# --- normalisation ---------------------------------------------------------
+
+
+@register(aten.batch_norm.default)
+def batch_norm_rule(info: OpInfo):
+    """batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn).
+
+    Channel split (dim 1) is exact in both modes: statistics are per channel.
+    In training the statistics are over the batch and spatial dims, so those
+    dims are not split here (a batch split needs the statistics all-reduced
+    across ranks, i.e. synchronised batch norm, which the op on local shards
+    does not do). In eval mode the op is a per-channel affine map and any
+    dim may be split."""
+    x = info.inputs[0]
+    n_aux = len(info.inputs) - 1  # weight, bias, running_mean, running_var that are tensors, all (C,)
+    training = bool(info.arg(5, "training"))
+    rows = []
+    if x.ndim >= 2 and x.shape[1] > 1:
+        rows.append(Row(S(1), (S(1),) + (S(0),) * n_aux))
+    if not training:
+        rows += [Row(S(d), (S(d),) + (R,) * n_aux) for d in range(x.ndim) if d != 1 and x.shape[d] > 1]
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
+@register(aten.group_norm.default)
+def group_norm_rule(info: OpInfo):
+    """group_norm(input, num_groups, weight, bias, eps): statistics per sample, so
+    the batch splits; channel splits would change the local group count."""
+    x = info.inputs[0]
+    n = len(info.inputs)
+    rows = [Row(S(0), (S(0),) + (R,) * (n - 1))] if x.ndim >= 2 and x.shape[0] > 1 else []
+    rows.append(Row(R, (R,) * n))
+    return rows
+
+
+# --- pooling ---------------------------------------------------------------
+
+_SPATIAL = {
+    aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2, aten.adaptive_avg_pool3d.default: 3,
+    aten.adaptive_max_pool1d.default: 1, aten.adaptive_max_pool2d.default: 2, aten.adaptive_max_pool3d.default: 3,
+    aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3,
+    aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3,
+}
+_AVERAGING = {aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
+              aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default}
+
+
+@register(*_SPATIAL)
+def pool_rule(info: OpInfo):
+    """Pooling mixes only spatial positions: batch and channel dims split freely;
+    averaging is linear, so a Partial (sum) input gives a Partial output."""
+    x = info.inputs[0]
+    lead = x.ndim - _SPATIAL[info.target]  # 2 for (N, C, *spatial), 1 for (C, *spatial)
+    rows = [Row(S(d), (S(d),)) for d in range(lead) if x.shape[d] > 1]
+    if info.target in _AVERAGING:
+        rows.append(Row(P, (P,)))
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+# --- einsum ----------------------------------------------------------------
+
+
+def normalize_equation(equation: str, ndims: list[int]) -> str:
+    """Explicit, ellipsis-free form of an einsum equation: 'bij,bjk' -> 'bij,bjk->bik',
+    '...ij,jk->...ik' with a 3-D first operand -> 'Aij,jk->Aik'."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, out = equation.partition("->")
+    operands = lhs.split(",")
+    if len(operands) != len(ndims):
+        raise AutoparError(f"einsum equation {equation!r} names {len(operands)} operands; the call passes {len(ndims)}")
+    used = set(equation) - set(".,->")
+    spare = [c for c in string.ascii_uppercase + string.ascii_lowercase if c not in used]
+    widths = [n - len(op.replace("...", "")) if "..." in op else 0 for op, n in zip(operands, ndims)]
+    width = max(widths, default=0)
+    ell = "".join(spare[:width])
+    operands = [op.replace("...", ell[width - w:]) for op, w in zip(operands, widths)]
+    if arrow:
+        out = out.replace("...", ell)
+    else:
+        counts = {c: "".join(operands).count(c) for c in "".join(operands)}
+        out = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    return ",".join(operands) + "->" + out
+
+
+@register(aten.einsum.default, matmul=True)
+def einsum_rule(info: OpInfo):
+    """einsum(equation, tensors): split any output letter (operands without it
+    stay replicated) or any summed letter (the output is Partial). An operand
+    that repeats a letter (a diagonal) is only replicated."""
+    equation = normalize_equation(info.arg(0, "equation"), [m.ndim for m in info.inputs])
+    operands = equation.split("->")[0].split(",")
+    if any(len(set(op)) != len(op) for op in operands):
+        return [Row(R, (R,) * len(info.inputs))]
+    return einsum_rows(equation, info)
+
+
+# --- routing ---------------------------------------------------------------
+
+
+@register(aten.topk.default)
+def topk_rule(info: OpInfo):
+    """topk(self, k, dim=-1) -> (values, indices): any dim but the selected one splits."""
+    x = info.inputs[0]
+    dim = info.arg(2, "dim", -1) % max(x.ndim, 1)
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+@register(aten.one_hot.default)
+def one_hot_rule(info: OpInfo):
+    """one_hot(self, num_classes): index dims split. With num_classes=-1 the
+    class count comes from the data, which differs per shard: replicate only."""
+    x = info.inputs[0]
+    rows = []
+    if info.arg(1, "num_classes", -1) > 0:
+        rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+@register(aten.cumsum.default)
+def cumsum_rule(info: OpInfo):
+    """cumsum(self, dim): the scanned dim stays whole; a floating-point scan is
+    linear, so a Partial input gives a Partial output."""
+    x = info.inputs[0]
+    dim = info.arg(1, "dim") % max(x.ndim, 1)
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    if x.dtype.is_floating_point and info.arg(2, "dtype") is None:
+        rows.append(Row(P, (P,)))
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(info: OpInfo):
+    """broadcast_tensors(tensors) -> one tensor per input, all of the common shape.
+
+    Every output takes the row's placement: an input replicated along a split
+    output dim, broadcast against the local shard of another input, gives
+    exactly the local shard of its broadcast."""
+    rows = broadcast_rows(info)
+    if all(m.shape == info.out.shape for m in info.inputs):
+        rows.append(Row(P, (P,) * len(info.inputs)))
+    return rows
+
+
+# --- gather / scatter ------------------------------------------------------
+
+
+def _aligned_rows(info: OpInfo, dim: int, n_in: int) -> list[Row]:
+    """Split a dim other than ``dim`` on which every input has the output's size."""
+    out = info.out.shape
+    rows = [Row(S(d), (S(d),) * n_in) for d in range(len(out))
+            if d != dim and out[d] > 1 and all(m.ndim == len(out) and m.shape[d] == out[d] for m in info.inputs)]
+    rows.append(Row(R, (R,) * n_in))
+    return rows
+
+
+@register(aten.gather.default)
+def gather_rule(info: OpInfo):
+    """gather(self, dim, index): out[i][j] = self[index[i][j]][j] along dim."""
+    x = info.inputs[0]
+    return _aligned_rows(info, info.arg(1, "dim") % x.ndim, 2)
+
+
+@register(aten.scatter.src, aten.scatter_add.default)
+def scatter_rule(info: OpInfo):
+    """scatter(self, dim, index, src): the scattered dim stays whole."""
+    x = info.inputs[0]
+    return _aligned_rows(info, info.arg(1, "dim") % x.ndim, 3)
+
+
+@register(aten.index_select.default)
+def index_select_rule(info: OpInfo):
+    """index_select(self, dim, index): other dims split with self; or the index
+    splits and the output follows on ``dim``."""
+    x, index = info.inputs
+    dim = info.arg(1, "dim") % x.ndim
+    rows = [Row(S(d), (S(d), R)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    if index.ndim == 1 and index.shape[0] > 1:
+        rows.append(Row(S(dim), (R, S(0))))
+    rows.append(Row(R, (R, R)))
+    return rows

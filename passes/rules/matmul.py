@@ -1,0 +1,99 @@
+"""Contractions written as einsum equations: one equation per op, one shared
+row generator (the same idea as DTensor's gen_einsum_strategies)."""
+from __future__ import annotations
+
+import string
+
+from torch.ops import aten
+
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.strategy import P, R, Row, S
+
+
+def einsum_rows(equation: str, info: OpInfo, additive: str | None = None) -> list[Row]:
+    """Rows for ``equation`` over the first tensor inputs, plus an optional
+    additive operand (a bias) whose letters are right-aligned with the output.
+
+    Sharding an output letter shards every operand that has it (an operand that
+    broadcasts along it, size 1, stays replicated); sharding a contracted
+    letter leaves a Partial output and makes the additive operand Partial."""
+    lhs, out = equation.split("->")
+    operands = lhs.split(",")
+    metas = info.inputs[: len(operands) + (additive is not None)]
+    out_shape = info.out.shape
+
+    def place(letters: str, letter: str, shape) -> object:
+        if letter not in letters:
+            return R
+        pos = letters.index(letter)
+        return S(pos) if shape[pos] != 1 else R
+
+    rows = []
+    for letter in dict.fromkeys(out):
+        if out_shape[out.index(letter)] == 1:
+            continue
+        ins = [place(op, letter, m.shape) for op, m in zip(operands, metas)]
+        if additive is not None:
+            ins.append(place(additive, letter, metas[-1].shape))
+        rows.append(Row(S(out.index(letter)), tuple(ins)))
+    contracted = [c for c in dict.fromkeys("".join(operands)) if c not in out]
+    for letter in contracted:
+        ins = [place(op, letter, m.shape) for op, m in zip(operands, metas)]
+        if all(p is R for p in ins):
+            continue
+        if additive is not None:
+            ins.append(P)
+        rows.append(Row(P, tuple(ins)))
+    rows.append(Row(R, (R,) * len(metas)))
+    return rows
+
+
+def _batch_letters(n: int) -> str:
+    return string.ascii_lowercase[:n]  # a, b, c, ... never clash with the upper-case core letters
+
+
+@register(aten.mm.default, matmul=True)
+def mm_rule(info: OpInfo):
+    return einsum_rows("MK,KN->MN", info)
+
+
+@register(aten.addmm.default, matmul=True)
+def addmm_rule(info: OpInfo):
+    # addmm(bias, a, b): the bias comes first in the args, the rows put it last.
+    rows = einsum_rows("MK,KN->MN", _rotate(info), additive="MN"[-info.inputs[0].ndim:] if info.inputs[0].ndim else "")
+    return [Row(r.output, (r.inputs[-1], *r.inputs[:-1])) for r in rows]
+
+
+@register(aten.bmm.default, matmul=True)
+def bmm_rule(info: OpInfo):
+    return einsum_rows("BMK,BKN->BMN", info)
+
+
+@register(aten.baddbmm.default, matmul=True)
+def baddbmm_rule(info: OpInfo):
+    rows = einsum_rows("BMK,BKN->BMN", _rotate(info), additive="BMN"[-info.inputs[0].ndim:])
+    return [Row(r.output, (r.inputs[-1], *r.inputs[:-1])) for r in rows]
+
+
+@register(aten.linear.default, matmul=True)
+def linear_rule(info: OpInfo):
+    x = info.inputs[0]
+    batch = _batch_letters(x.ndim - 1)
+    eq = f"{batch}K,NK->{batch}N"
+    return einsum_rows(eq, info, additive="N" if len(info.inputs) == 3 else None)
+
+
+@register(aten.matmul.default, matmul=True)
+def matmul_rule(info: OpInfo):
+    a, b = info.inputs[0].ndim, info.inputs[1].ndim
+    if a == 1 or b == 1:
+        return [Row(R, (R, R))]
+    n = max(a, b) - 2
+    batch = _batch_letters(n)
+    eq = f"{batch[n - (a - 2):]}MK,{batch[n - (b - 2):]}KN->{batch}MN"
+    return einsum_rows(eq, info)
+
+
+def _rotate(info: OpInfo) -> OpInfo:
+    """Move the first tensor input (the additive one) to the end."""
+    return OpInfo(info.target, info.args, info.kwargs, info.inputs[1:] + info.inputs[:1], info.outputs)

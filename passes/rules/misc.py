@@ -1,0 +1,87 @@
+"""Embedding, attention, losses and tensor factories."""
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial
+from torch.ops import aten
+
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.strategy import P, R, Row, S
+
+
+@register(aten.embedding.default)
+def embedding_rule(info: OpInfo):
+    weight, idx = info.inputs[0], info.inputs[1]
+    rows = [Row(S(d), (R, S(d))) for d in range(idx.ndim) if idx.shape[d] > 1]
+    rows.append(Row(S(idx.ndim), (S(1), R)))      # hidden dim split
+    rows.append(Row(P, (S(0), R)))                # vocabulary split: masked lookup, summed
+    rows.append(Row(R, (R, R)))
+    return rows
+
+
+@register(aten.scaled_dot_product_attention.default, matmul=True)
+def sdpa_rule(info: OpInfo):
+    """Batch or head split: every rank attends within its own sequences/heads.
+    An attention mask follows q on dims it really has."""
+    q = info.inputs[0]
+    rows = []
+    for d in (0, 1):
+        if q.shape[d] == 1 or any(m.shape[d] != q.shape[d] for m in info.inputs[1:3]):
+            continue
+        ins = [S(d), S(d), S(d)]
+        for m in info.inputs[3:]:
+            j = d - (q.ndim - m.ndim)
+            ins.append(S(j) if j >= 0 and m.shape[j] == q.shape[d] else R)
+        rows.append(Row(S(d), tuple(ins)))
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
+_REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum
+
+
+@register(aten.cross_entropy_loss.default, aten.nll_loss.default)
+def cross_entropy_rule(info: OpInfo):
+    """Batch split. With mean reduction the per-shard means are averaged, which
+    equals the global mean when no target is ignored (ignore_index)."""
+    x = info.inputs[0]
+    reduction = _REDUCTION[info.arg(3, "reduction", 1)]
+    n_in = len(info.inputs)
+    rows = [Row(R, (R,) * n_in)]
+    if x.shape[0] > 1 and x.ndim >= 1:
+        out = S(0) if reduction is None else Partial(reduction)
+        rows.append(Row(out, (S(0), S(0)) + (R,) * (n_in - 2)))
+    return rows
+
+
+@register(aten.mse_loss.default, aten.l1_loss.default)
+def elementwise_loss_rule(info: OpInfo):
+    x = info.inputs[0]
+    reduction = _REDUCTION[info.arg(2, "reduction", 1)]
+    rows = [Row(R, (R, R))]
+    for d in range(x.ndim):
+        if x.shape[d] > 1 and info.inputs[1].shape == x.shape:
+            rows.append(Row(S(d) if reduction is None else Partial(reduction), (S(d), S(d))))
+    return rows
+
+
+# Tensor factories: every rank makes the same (replicated) tensor. Alphabetical.
+FACTORIES = [
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.empty.memory_format,
+    aten.full.default, aten.ones.default, aten.scalar_tensor.default, aten.zeros.default,
+]
+
+
+@register(*FACTORIES)
+def factory_rule(info: OpInfo):
+    return [Row(R, ())]
+
+
+@register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
+def like_rule(info: OpInfo):
+    x = info.inputs[0]
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+__all__ = ["P"]

@@ -1,0 +1,33 @@
+"""Normalisations and softmax: any dim outside the normalised ones may be sharded."""
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.strategy import R, Row, S
+
+
+def keep_dims_rows(info: OpInfo, free_dims) -> list[Row]:
+    """Shard the activation (input 0, output) on a free dim; other inputs (the
+    affine weights) stay replicated."""
+    x = info.inputs[0]
+    rows = []
+    for d in free_dims:
+        if x.shape[d] > 1:
+            rows.append(Row(S(d), (S(d),) + (R,) * (len(info.inputs) - 1)))
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(info: OpInfo):
+    x = info.inputs[0]
+    normalized = len(info.arg(1, "normalized_shape"))
+    return keep_dims_rows(info, range(x.ndim - normalized))
+
+
+@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def softmax_rule(info: OpInfo):
+    x = info.inputs[0]
+    dim = info.arg(1, "dim") % x.ndim
+    return keep_dims_rows(info, [d for d in range(x.ndim) if d != dim])

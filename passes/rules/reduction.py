@@ -1,0 +1,48 @@
+"""Reductions: shard a kept dim and the output follows; shard a reduced dim and
+the output is Partial: a sum of local sums, or for a mean P(avg), run as a
+sum of local means / n. A max over a split dim has no row: its gradient
+would reach every rank's local maximum, not only the global one."""
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial
+from torch.ops import aten
+
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.strategy import R, Row, S
+
+_PARTIAL = {
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum",
+    aten.mean.dim: "avg", aten.mean.default: "avg",
+    aten.amax.default: None, aten.amin.default: None,
+}
+
+
+def reduction_rows(info: OpInfo, dims, keepdim: bool, op: str) -> list[Row]:
+    x = info.inputs[0]
+    nd = x.ndim
+    dims = sorted({d % nd for d in dims}) if dims else list(range(nd))
+    rows = []
+    out_dim = 0
+    for d in range(nd):
+        if d in dims:
+            if x.shape[d] > 1 and op is not None:
+                rows.append(Row(Partial(op), (S(d),)))
+            if keepdim:
+                out_dim += 1
+            continue
+        if x.shape[d] > 1:
+            rows.append(Row(S(out_dim), (S(d),)))
+        out_dim += 1
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+@register(*_PARTIAL)
+def reduction_rule(info: OpInfo):
+    if info.target in (aten.sum.default, aten.mean.default):
+        dims, keepdim = None, False
+    else:
+        dims, keepdim = info.arg(1, "dim"), info.arg(2, "keepdim", False)
+    if isinstance(dims, int):
+        dims = [dims]
+    return reduction_rows(info, dims, bool(keepdim), _PARTIAL[info.target])

@@ -1,0 +1,122 @@
+"""Shape ops: each maps input dims to output dims; a shard moves with its dim
+when the dim survives (or leads a merged/split group), otherwise that row
+does not exist."""
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autopar.passes.rules import OpInfo, register
+from autopar.passes.strategy import P, R, Row, S
+
+
+def map_rows(info: OpInfo, dim_map: dict[int, int], partial_ok: bool = True) -> list[Row]:
+    """Rows from an input-dim -> output-dim map for a single-input op."""
+    x = info.inputs[0]
+    rows = [Row(S(o), (S(i),)) for i, o in dim_map.items() if x.shape[i] > 1]
+    rows.append(Row(R, (R,)))
+    if partial_ok:
+        rows.append(Row(P, (P,)))
+    return rows
+
+
+def reshape_map(src, dst) -> dict[int, int]:
+    """Input dim -> output dim for a reshape: within each group of dims whose
+    products match, the leading non-1 input dim maps to the leading non-1 output dim."""
+    out, i, j = {}, 0, 0
+    while i < len(src) and j < len(dst):
+        i0, j0 = i, j
+        a, b = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                a *= src[i]; i += 1
+            else:
+                b *= dst[j]; j += 1
+        lead_in = next((k for k in range(i0, i) if src[k] != 1), None)
+        lead_out = next((k for k in range(j0, j) if dst[k] != 1), None)
+        if lead_in is not None and lead_out is not None:
+            out[lead_in] = lead_out
+        # trailing size-1 dims join the next group naturally
+    return out
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims,
+          aten.unsqueeze.default)
+def reshape_rule(info: OpInfo):
+    # No Partial row: DTensor runs a reshape of a non-contiguous Partial as a
+    # copy that it reshards first (observed on torch 2.13).
+    return map_rows(info, reshape_map(info.inputs[0].shape, info.out.shape), partial_ok=False)
+
+
+@register(aten.transpose.int)
+def transpose_rule(info: OpInfo):
+    nd = info.inputs[0].ndim
+    a, b = info.arg(1, "dim0") % nd, info.arg(2, "dim1") % nd
+    perm = list(range(nd)); perm[a], perm[b] = perm[b], perm[a]
+    return map_rows(info, {perm[o]: o for o in range(nd)})
+
+
+@register(aten.t.default)
+def t_rule(info: OpInfo):
+    nd = info.inputs[0].ndim
+    return map_rows(info, {0: nd - 1, nd - 1: 0} if nd == 2 else {0: 0})
+
+
+@register(aten.permute.default)
+def permute_rule(info: OpInfo):
+    nd = info.inputs[0].ndim
+    perm = [d % nd for d in info.arg(1, "dims")]
+    return map_rows(info, {perm[o]: o for o in range(nd)})
+
+
+@register(aten.expand.default)
+def expand_rule(info: OpInfo):
+    x, out = info.inputs[0].shape, info.out.shape
+    lead = len(out) - len(x)
+    return map_rows(info, {i: i + lead for i in range(len(x)) if x[i] == out[i + lead]}, partial_ok=False)
+
+
+def _other_dims_rows(info: OpInfo, dim: int, n_in: int, drop: bool = False) -> list[Row]:
+    x = info.inputs[0]
+    rows = []
+    for d in range(x.ndim):
+        if d == dim or x.shape[d] == 1:
+            continue
+        o = d - 1 if drop and d > dim else d
+        rows.append(Row(S(o), (S(d),) * n_in))
+    rows.append(Row(R, (R,) * n_in))
+    return rows
+
+
+@register(aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+          aten.narrow.default)
+def slice_rule(info: OpInfo):
+    nd = info.inputs[0].ndim
+    default = 0
+    dim = info.arg(2, "dim", default) if info.target is not aten.slice.Tensor else info.arg(1, "dim", 0)
+    if info.target is aten.narrow.default:
+        dim = info.arg(1, "dim")
+    return _other_dims_rows(info, dim % nd, 1)
+
+
+@register(aten.select.int, aten.unbind.int)
+def select_rule(info: OpInfo):
+    nd = info.inputs[0].ndim
+    return _other_dims_rows(info, info.arg(1, "dim", 0) % nd, 1, drop=True)
+
+
+@register(aten.cat.default)
+def cat_rule(info: OpInfo):
+    nd = info.out.ndim
+    return _other_dims_rows(info, info.arg(1, "dim", 0) % nd, len(info.inputs))
+
+
+@register(aten.stack.default)
+def stack_rule(info: OpInfo):
+    nd = info.out.ndim
+    dim = info.arg(1, "dim", 0) % nd
+    x = info.inputs[0]
+    rows = [Row(S(d if d < dim else d + 1), (S(d),) * len(info.inputs)) for d in range(x.ndim) if x.shape[d] > 1]
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
