@@ -1,6 +1,7 @@
 """Front door: ``autoparallelize`` (call or decorator)."""
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -74,7 +75,10 @@ class _SingleDevice(nn.Module):
 
 
 def _decorate(cls, **options):
-    """Wrap an nn.Module subclass: instances compile on first call and run the plan."""
+    """Wrap an nn.Module subclass: instances compile on first call and run the plan.
+
+    A call with new input shapes compiles again, keeping the parameters'
+    placements so that the shards (and the optimizer's state) stay valid."""
 
     class Parallel(cls):
         def __init__(self, *args, **kwargs):
@@ -86,14 +90,45 @@ def _decorate(cls, **options):
             runner = self._autopar.get(key)
             if runner is None:
                 plain = _PlainForward(cls, self)
-                runner = autoparallelize(plain, inputs, **options)
+                if not self._autopar:
+                    # a meta-device twin with the full shapes, for later compiles
+                    object.__setattr__(self, "_autopar_shadow", copy.deepcopy(plain).to("meta"))
+                    runner = autoparallelize(plain, inputs, **options)
+                else:
+                    runner = _recompile(plain, self._autopar_shadow, next(iter(self._autopar.values())),
+                                        inputs, options)
                 self._autopar[key] = runner
             return runner(*inputs)
+
+        def state_dict(self, *args, **kwargs):
+            """Full tensors under the original names, sharded or not."""
+            if self._autopar:
+                return next(iter(self._autopar.values())).state_dict(*args, **kwargs)
+            return super().state_dict(*args, **kwargs)
+
+        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+            if self._autopar:
+                return next(iter(self._autopar.values())).load_state_dict(state_dict, strict, assign)
+            return super().load_state_dict(state_dict, strict, assign)
 
     Parallel.__name__ = cls.__name__
     Parallel.__qualname__ = cls.__qualname__
     Parallel.__doc__ = cls.__doc__
     return Parallel
+
+
+def _recompile(plain, shadow, first: ParallelModule, inputs, options):
+    loss_fn = options.get("loss_fn")
+    meta_inputs = tuple(torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    compile_options = {k: v for k, v in options.items()
+                       if k not in ("loss_fn", "single_device", "local_inputs", "mesh", "cluster", "plan")}
+    pins = {fqn: info["placements"] for fqn, info in first.plan.parameters.items()}
+    plan = compile_plan(shadow, meta_inputs, mesh=options["mesh"], cluster=options["cluster"], loss_fn=loss_fn,
+                        parameter_placements=pins, **compile_options)
+    graph = capture(shadow, meta_inputs, loss_fn)
+    program = load_program(program_source(build_program(graph, plan, options.get("local_inputs", False)), plan))
+    return ParallelModule(plain, plan, program, loss_fn=loss_fn, device_mesh=first.mesh,
+                          local_inputs=options.get("local_inputs", False), sharded=True)
 
 
 class _PlainForward(nn.Module):

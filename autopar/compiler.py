@@ -25,12 +25,13 @@ log = logging.getLogger("autopar")
 
 def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, memory: float | None = None,
             optimizer: str = "adamw", time_limit_s: float = 60.0, solver: str = "HIGHS",
-            source: str | None = None) -> Plan:
+            source: str | None = None, parameter_placements: dict | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
     last one is the target. ``memory`` is the per-device budget in bytes
-    (default: the cluster device's memory)."""
+    (default: the cluster device's memory). ``parameter_placements`` pins
+    parameters ({fqn: ["S(0)", "R"]}), e.g. to keep the shards of a running model."""
     timings = {}
     t = time.perf_counter()
     mesh = parse_mesh(mesh)
@@ -46,7 +47,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
 
     ctx = CostContext.make(mesh.shape, cluster, optimizer)
     budget = memory if memory is not None else cluster.device.memory
-    solution = solve(graph, strategies, ctx, memory_budget=budget, time_limit_s=time_limit_s, backend=solver)
+    pinned = _pins(graph, strategies, parameter_placements or {})
+    solution = solve(graph, strategies, ctx, memory_budget=budget, time_limit_s=time_limit_s, backend=solver,
+                     pinned=pinned)
     timings["solve_s"] = solution.wall_s
 
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
@@ -56,6 +59,23 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
                              for f in fallbacks]
     plan.solver["timings"] = timings
     return plan
+
+
+def _pins(graph: Graph, strategies: dict, placements: dict) -> dict:
+    pins = {}
+    for fqn, spec in placements.items():
+        if fqn not in graph.params:
+            raise AutoparError(f"cannot pin {fqn!r}: the model has no such parameter")
+        name = graph.params[fqn]
+        text = "".join(spec)
+        for i, s in enumerate(strategies[name]):
+            if fmt_spec(s.output) == text:
+                pins[name] = i
+                break
+        else:
+            valid = [fmt_spec(s.output) for s in strategies[name]]
+            raise AutoparError(f"cannot pin {fqn} to {text}: valid placements for it are {valid}")
+    return pins
 
 
 def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:

@@ -68,9 +68,10 @@ def parse_mesh(spec, names=None) -> Mesh:
         if "=" in text:
             pairs = [p.split("=", 1) for p in text.split(",")]
             try:
-                return Mesh(tuple(int(v) for _, v in pairs), tuple(k.strip() for k, _ in pairs))
+                sizes = tuple(int(v) for _, v in pairs)
             except ValueError:
                 raise MeshError(f"mesh {spec!r}: expected 'name=size,...' like 'dp=2,tp=4'") from None
+            return Mesh(sizes, tuple(k.strip() for k, _ in pairs))
         parts = re.split(r"[x,*]", text.lower())
         try:
             spec = tuple(int(p) for p in parts)

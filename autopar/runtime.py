@@ -88,7 +88,8 @@ class ParallelModule(nn.Module):
     """The user's model, running ``plan`` on this rank."""
 
     def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
-                 device_mesh=None, local_inputs: bool = False):
+                 device_mesh=None, local_inputs: bool = False, sharded: bool = False):
+        """``sharded=True``: the model's parameters already are this rank's shards."""
         super().__init__()
         self.plan = plan
         self.mesh = device_mesh if device_mesh is not None else init_distributed(plan.mesh.shape, plan.mesh.names)
@@ -106,6 +107,8 @@ class ParallelModule(nn.Module):
         for fqn, info in plan.parameters.items():
             placements = tuple(parse_spec("".join(info["placements"]), nd))
             self._placements[fqn] = placements
+            if sharded:
+                continue
             full = names[fqn].detach().to(device)
             parent, leaf = _split(fqn)
             owner = model.get_submodule(parent) if parent else model
@@ -175,6 +178,13 @@ class ParallelModule(nn.Module):
             if fqn in local:
                 local[fqn] = shard_of(local[fqn], placements, self.mesh)
         return super().load_state_dict(local, strict=strict, assign=assign)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error ||a - b|| / ||b|| in float64 (absolute when b is 0)."""
+    a, b = a.detach().double(), b.detach().double()
+    norm = b.norm()
+    return ((a - b).norm() / norm).item() if norm > 0 else (a - b).norm().item()
 
 
 def load_factory(spec: str):

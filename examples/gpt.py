@@ -90,3 +90,14 @@ def small(batch: int = 8):
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     return model, (idx, target), lm_loss
+
+
+def demo(batch: int = 8):
+    """FACTORY for the README: big enough (hidden 512) that an A100 cluster
+    plan shards it, small enough to train on 4 CPU processes in seconds."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=1024, seq=64, hidden=512, heads=8, layers=2)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    return model, (idx, target), lm_loss

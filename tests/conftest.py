@@ -1,0 +1,38 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list, nproc: int, timeout: int = 600, extra: list | None = None) -> subprocess.CompletedProcess:
+    """Launch ``args`` (a script path or ['-m', module, ...]) on nproc local gloo ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), *(extra or []), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def verify(source: str, mesh: str, nproc: int, tmp_path, *, cluster: str = "tests/fixtures/fastnet.json",
+           random_plans: int = 1, extra: list | None = None) -> list:
+    out = tmp_path / "report.json"
+    proc = torchrun(["-m", "autopar.verify", source, "--mesh", mesh, "--cluster", cluster,
+                     "--random-plans", str(random_plans), "--json", str(out), *(extra or [])], nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def root():
+    return ROOT

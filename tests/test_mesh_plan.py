@@ -1,0 +1,119 @@
+"""Value types: meshes, placements, plan files."""
+import json
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar
+from autopar.errors import MeshError, PlanError
+from autopar.mesh import Mesh, parse_mesh
+from autopar.passes.strategy import Strategy, fmt_spec, parse_spec
+
+
+@pytest.mark.parametrize("spec, shape, names", [
+    (4, (4,), ("x",)),
+    ((2, 2), (2, 2), ("x", "y")),
+    ("2x2", (2, 2), ("x", "y")),
+    ("1x4", (1, 4), ("x", "y")),
+    ("dp=2,tp=4", (2, 4), ("dp", "tp")),
+    ({"dp": 8, "tp": 8}, (8, 8), ("dp", "tp")),
+])
+def test_parse_mesh(spec, shape, names):
+    m = parse_mesh(spec)
+    assert (m.shape, m.names) == (shape, names)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("3x0", "axis size 0 is not a positive integer"),
+    ("2xa", "expected sizes joined by 'x'"),
+    ((2, -1), "must be a positive integer, got -1"),
+    ("dp=2,dp=2", "must be distinct"),
+    ("", "expected sizes"),
+])
+def test_bad_mesh_names_rule_and_value(spec, message):
+    with pytest.raises(MeshError, match=message):
+        parse_mesh(spec)
+
+
+def test_mesh_names_must_match_shape():
+    with pytest.raises(MeshError, match="one name per axis"):
+        Mesh((2, 2), ("x",))
+
+
+@pytest.mark.parametrize("spec, text", [
+    ((Shard(0), Replicate()), "S(0)R"),
+    ((Partial(),), "P"),
+    ((Partial("avg"), Shard(2)), "P(avg)S(2)"),
+])
+def test_spec_round_trip(spec, text):
+    assert fmt_spec(spec) == text
+    assert parse_spec(text, len(spec)) == spec
+
+
+def test_strategy_prints_like_the_design():
+    s = Strategy(((Shard(0),), (Replicate(),)), (Shard(0),))
+    assert str(s) == "(S(0), R) -> S(0)"
+
+
+@pytest.mark.parametrize("text", ["S(x)", "Q", "S(0)S(1)"])
+def test_bad_spec(text):
+    with pytest.raises(PlanError):
+        parse_spec(text, 1)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=64)
+    return autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)
+
+
+def test_plan_round_trips_and_has_the_contract(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    obj = json.loads(path.read_text())
+    assert obj["schema"] == "autopar.plan/1"
+    for key in ("mesh", "parameters", "collectives", "pipeline", "predicted", "solver"):
+        assert key in obj
+    for key in ("step_time_s", "compute_s", "comm_s", "bubble_s", "peak_memory_bytes", "mfu"):
+        assert key in obj["predicted"]
+    for key in ("status", "objective", "wall_s", "variables", "constraints"):
+        assert key in obj["solver"]
+    again = autopar.Plan.load(str(path))
+    assert again.dumps() == plan.dumps()
+
+
+def test_corrupt_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"schema": "autopar.plan/1", "mesh": ')
+    with pytest.raises(PlanError, match="not valid JSON"):
+        autopar.Plan.load(str(path))
+
+
+def test_wrong_version_plan(plan, tmp_path):
+    obj = plan.to_json()
+    obj["schema"] = "autopar.plan/0"
+    with pytest.raises(PlanError, match="this autopar reads 'autopar.plan/1'"):
+        autopar.Plan.from_json(obj)
+
+
+def test_plan_missing_field(plan):
+    obj = plan.to_json()
+    del obj["collectives"]
+    with pytest.raises(PlanError, match="required field 'collectives'"):
+        autopar.Plan.from_json(obj)
+
+
+def test_plan_bad_collective_kind(plan):
+    obj = plan.to_json()
+    obj["collectives"] = [{"kind": "broadcastish", "phase": "forward"}]
+    with pytest.raises(PlanError, match="not one of"):
+        autopar.Plan.from_json(obj)
+
+
+def test_plan_placements_must_fit_mesh(plan):
+    obj = plan.to_json()
+    fqn = next(iter(obj["parameters"]))
+    obj["parameters"][fqn]["placements"] = ["R", "R"]
+    with pytest.raises(PlanError, match="has 2 placements; the mesh has 1 axes"):
+        autopar.Plan.from_json(obj)

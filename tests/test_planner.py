@@ -1,0 +1,148 @@
+"""The planner rediscovers the known optima, prices memory, and explains bad input."""
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.errors import InfeasibleError, LaunchError
+
+
+def forward_collectives(plan):
+    return [c for c in plan.collectives if c["phase"] == "forward"]
+
+
+def test_mlp_small_batch_large_hidden_is_megatron_tensor_parallel():
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=8192, d_in=2048, d_out=2048)
+    plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)
+    placements = {k: v["placements"] for k, v in plan.parameters.items()}
+    assert placements["layers.0.weight"] == ["S(0)"]  # column split (out features)
+    assert placements["layers.1.weight"] == ["S(1)"]  # row split (in features)
+    fwd = forward_collectives(plan)
+    assert [c["kind"] for c in fwd] == ["all_reduce"]
+    assert plan.node("linear_1").strategy == "(S(1), S(1), P) -> P"
+
+
+def test_mlp_large_batch_small_hidden_is_data_parallel():
+    from mlp import make
+    model, inputs, loss = make(batch=65536, hidden=64, d_in=64, d_out=64)
+    plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)
+    assert all(p["placements"] == ["R"] for p in plan.parameters.values())
+    # the only forward collective is the scalar loss, averaged over the batch shards
+    fwd = forward_collectives(plan)
+    assert [(c["kind"], c["bytes"]) for c in fwd] == [("all_reduce", 4.0)]
+    synced = {c["tensor"] for c in plan.collectives if c["gradient_sync"] and c["kind"] == "all_reduce"}
+    assert synced == set(plan.parameters)
+
+
+@pytest.fixture(scope="module")
+def megatron_plan():
+    from gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(vocab=1024, seq=128, hidden=4096, heads=32, layers=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, cfg.vocab, (2, cfg.seq))
+        tgt = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    return autopar.compile(model, (idx, tgt), mesh=4, cluster="dgx-a100", loss_fn=lm_loss)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_gpt_block_small_batch_large_hidden_is_megatron(megatron_plan, layer):
+    p = {k: v["placements"][0] for k, v in megatron_plan.parameters.items()}
+    b = f"blocks.{layer}"
+    assert [p[f"{b}.attn.{n}.weight"] for n in "qkv"] == ["S(0)"] * 3
+    assert p[f"{b}.mlp.fc.weight"] == "S(0)"
+    assert p[f"{b}.attn.proj.weight"] == "S(1)"
+    assert p[f"{b}.mlp.proj.weight"] == "S(1)"
+    sdpa = [n for n in megatron_plan.nodes if n.op == "scaled_dot_product_attention" and n.location.startswith(b)]
+    assert sdpa[0].strategy == "(S(1), S(1), S(1)) -> S(1)"  # attention heads split
+    producers = {n.name: n.location for n in megatron_plan.nodes}
+    in_block = [c for c in forward_collectives(megatron_plan)
+                if c["kind"] == "all_reduce" and producers[c["producer"]].startswith(b)]
+    assert len(in_block) == 2
+
+
+def test_plans_are_deterministic():
+    from mlp import make
+    dumps = []
+    for _ in range(2):
+        model, inputs, loss = make(batch=8, hidden=512)
+        plan = autopar.compile(model, inputs, mesh=(2, 2), cluster="dgx-a100", loss_fn=loss).to_json()
+        plan["solver"].pop("wall_s"), plan["solver"].pop("timings")
+        dumps.append(json.dumps(plan, sort_keys=True))
+    assert dumps[0] == dumps[1]
+
+
+def test_memory_budget_too_small_says_how_much_is_needed():
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=4096, d_in=4096, d_out=4096)
+    with pytest.raises(InfeasibleError) as e:
+        autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, memory=1e6)
+    msg = str(e.value)
+    assert "no plan fits in" in msg and "needs at least" in msg and "layers.0.weight" in msg
+    assert e.value.needed_bytes > 1e6
+
+
+class ScanModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.logcumsumexp(self.fc(x), dim=-1)
+
+
+def test_op_without_rule_is_replicated_with_a_warning(caplog):
+    model = ScanModel()
+    x = torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = autopar.compile(model, (x, torch.randn(8, 16)), mesh=2, cluster="dgx-a100",
+                               loss_fn=nn.functional.mse_loss)
+    assert "no sharding rule for logcumsumexp" in caplog.text and "(node logcumsumexp, in the top level)" in caplog.text
+    assert plan.fallbacks == [{"node": "logcumsumexp", "op": "logcumsumexp", "location": "the top level"}]
+    assert plan.node("logcumsumexp").strategy == "(R) -> R"
+
+
+def test_dimension_no_axis_divides_is_warned():
+    model = nn.Linear(5, 7)
+    with pytest.warns(UserWarning, match=r"weight of shape \[7, 5\]: no dimension divides any mesh axis"):
+        plan = autopar.compile(model, (torch.randn(3, 5),), mesh=4, cluster="dgx-a100")
+    assert plan.parameters["weight"]["placements"] == ["R"]
+
+
+def test_autoparallelize_outside_torchrun_shows_the_command(monkeypatch):
+    from mlp import make
+    monkeypatch.delenv("RANK", raising=False)
+    model, inputs, loss = make()
+    with pytest.raises(LaunchError, match=r"torchrun --nproc-per-node 4 "):
+        autopar.autoparallelize(model, inputs, loss_fn=loss, mesh=(2, 2), cluster="cpu")
+
+
+def test_single_device_fallback_is_explicit_and_warned(monkeypatch):
+    from mlp import make
+    monkeypatch.delenv("RANK", raising=False)
+    model, inputs, loss = make()
+    with pytest.warns(UserWarning, match="running the model on one process"):
+        pm = autopar.autoparallelize(model, inputs, loss_fn=loss, mesh=4, cluster="cpu", single_device=True)
+    assert torch.allclose(pm(*inputs), loss(model(inputs[0]), inputs[1]))
+
+
+def test_plan_for_another_model_is_rejected():
+    from autopar.capture import capture
+    from autopar.codegen import build_program
+    from mlp import make
+    model, inputs, loss = make(hidden=64)
+    plan = autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss)
+    other, other_inputs, _ = make(hidden=128)
+    with pytest.raises(autopar.PlanError, match="compiled for a different model"):
+        build_program(capture(other, other_inputs, loss), plan)
+
+
+def test_unknown_cluster_lists_presets():
+    from mlp import make
+    model, inputs, loss = make()
+    with pytest.raises(autopar.ClusterError, match=r"valid presets are \['cpu', 'dgx-a100'"):
+        autopar.compile(model, inputs, mesh=2, cluster="dgx-z9000", loss_fn=loss)
