@@ -51,57 +51,131 @@ def check_plan_matches(graph: Graph, plan: Plan) -> None:
 
 
 def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.GraphModule:
+    """The per-rank program: a GraphModule whose forward takes the flat
+    (parameters, buffers, inputs) and returns the flat outputs. Layers the plan
+    recomputes become submodules run under activation checkpointing."""
     check_plan_matches(graph, plan)
-    specs = {n.name: n for n in plan.nodes}
-    out_graph = fx.Graph()
-    env: dict = {}
-    inputs_by_name = {i["name"]: i for i in plan.inputs}
+    emit = _Emitter(graph, plan, local_inputs)
+    regions = _recompute_regions(graph, plan)
+    region_of = {name: i for i, names in enumerate(regions) for name in names}
+    root = torch.nn.Module()
+    main, env = fx.Graph(), {}
+    consumers = graph.consumers()
+    done = set()
     for src in graph.gm.graph.nodes:
-        node = graph.nodes.get(src.name) if src.op != "output" else graph.nodes["output"]
+        if src.name in done:
+            continue
+        if src.name not in region_of:
+            emit.node(main, env, src)
+            continue
+        i = region_of[src.name]
+        names = regions[i]
+        inside = set(names)
+        externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside))
+        outputs = [n for n in names if any(c not in inside for c, _ in consumers[n])]
+        sub, sub_env = fx.Graph(), {}
+        for e in externals:
+            sub_env[e] = sub.placeholder(e)
+        for n in names:
+            emit.node(sub, sub_env, emit.fx_nodes[n])
+        sub.output(tuple(sub_env[o] for o in outputs))
+        name = f"recompute_{_slug(regions_label(graph, names))}"
+        setattr(root, name, fx.GraphModule(torch.nn.Module(), sub, class_name=f"Recompute_{i}"))
+        call = main.call_function(spmd.checkpoint, (main.get_attr(name), *[env[e] for e in externals]))
+        call.name = f"{name}_out"
+        for j, o in enumerate(outputs):
+            env[o] = main.call_function(operator.getitem, (call, j))
+            env[o].name = o
+        done.update(names)
+    main.lint()
+    return fx.GraphModule(root, main, class_name="RankProgram")
+
+
+def regions_label(graph: Graph, names: list) -> str:
+    return graph.nodes[names[0]].fqn.split(".", 2)[0] + "_" + graph.nodes[names[0]].fqn.split(".")[1]
+
+
+def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
+    """Node names of each recomputed layer, in program order (each must be contiguous)."""
+    from autopar.passes.cluster import layer_of
+    wanted = {tuple(_split(p)) for p in plan.recompute.get("layers", [])}
+    if not wanted:
+        return []
+    order = [n.name for n in graph.gm.graph.nodes]
+    regions: dict = {}
+    for name in order:
+        node = graph.nodes.get(name)
+        if node is not None and node.kind is NodeKind.OP and layer_of(node) in wanted:
+            regions.setdefault(layer_of(node), []).append(name)
+    out = []
+    position = {n: k for k, n in enumerate(order)}
+    for key, names in regions.items():
+        span = position[names[-1]] - position[names[0]] + 1
+        if span != len(names):
+            raise PlanError(f"layer {key[0]}.{key[1]} is not contiguous in the traced program; "
+                            "it cannot be recomputed as one region (compile with recompute='none')")
+        out.append(names)
+    return out
+
+
+def _split(path: str) -> tuple:
+    lst, _, i = path.rpartition(".")
+    return lst, int(i)
+
+
+class _Emitter:
+    """Emits one captured node into an fx graph, with the reshards its strategy needs."""
+
+    def __init__(self, graph: Graph, plan: Plan, local_inputs: bool):
+        self.graph, self.plan, self.local_inputs = graph, plan, local_inputs
+        self.specs = {n.name: n for n in plan.nodes}
+        self.inputs = {i["name"]: i for i in plan.inputs}
+        self.fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+
+    def node(self, g: fx.Graph, env: dict, src: fx.Node) -> None:
+        specs = self.specs
+        node = self.graph.nodes.get(src.name) if src.op != "output" else self.graph.nodes["output"]
         if src.op == "placeholder":
-            ph = out_graph.placeholder(src.name)
+            ph = g.placeholder(src.name)
             spec = specs[src.name].output_spec
             if node.kind is NodeKind.PARAM:
-                env[src.name] = out_graph.call_function(spmd.param, (ph, spec))
+                env[src.name] = g.call_function(spmd.param, (ph, spec))
             elif node.kind is NodeKind.INPUT:
-                shape = inputs_by_name[src.name]["shape"]
-                env[src.name] = out_graph.call_function(spmd.shard_input, (ph, spec, shape, local_inputs))
+                shape = self.inputs[src.name]["shape"]
+                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, self.local_inputs))
             else:
-                env[src.name] = out_graph.call_function(spmd.replicate, (ph,))
+                env[src.name] = g.call_function(spmd.replicate, (ph,))
             env[src.name].name = f"{src.name}_d"
-            continue
+            return
         if src.op == "output":
             plan_node = specs["output"]
-            outs = [_resharded(out_graph, env, a, plan_node.input_specs[i], specs)
-                    for i, a in enumerate(node.inputs)]
+            outs = [_resharded(g, env, a, plan_node.input_specs[i], specs) for i, a in enumerate(node.inputs)]
             it = iter(outs)
-            result = fx.node.map_arg(src.args[0], lambda _: out_graph.call_function(spmd.output, (next(it),)))
-            out_graph.output(result)
-            continue
+            g.output(fx.node.map_arg(src.args[0], lambda _: g.call_function(spmd.output, (next(it),))))
+            return
         plan_node = specs[src.name]
         if src.target is operator.getitem:
-            env[src.name] = out_graph.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
+            env[src.name] = g.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
             env[src.name].name = src.name
-            continue
+            return
         counter = iter(range(len(node.inputs)))
 
         def arg(a):
-            return _resharded(out_graph, env, a.name, plan_node.input_specs[next(counter)], specs)
+            return _resharded(g, env, a.name, plan_node.input_specs[next(counter)], specs)
 
         args = fx.node.map_arg(src.args, arg)
         kwargs = fx.node.map_arg(src.kwargs, arg)
         spec = plan_node.output_spec
         if src.target in FACTORIES:
-            new = out_graph.call_function(spmd.factory, (src.target, *args), kwargs)
+            new = g.call_function(spmd.factory, (src.target, *args), kwargs)
         elif src.target in RESHAPES:
-            shape = list(local_shape(node.out.shape, parse_spec(spec, plan.mesh.ndim), plan.mesh.shape))
-            new = out_graph.call_function(spmd.reshape, (src.name, src.target, spec, args[0], shape))
+            mesh = self.plan.mesh
+            shape = list(local_shape(node.out.shape, parse_spec(spec, mesh.ndim), mesh.shape))
+            new = g.call_function(spmd.reshape, (src.name, src.target, spec, args[0], shape))
         else:
-            new = out_graph.call_function(spmd.op, (src.name, src.target, spec, *args), kwargs)
+            new = g.call_function(spmd.op, (src.name, src.target, spec, *args), kwargs)
         new.name = src.name
         env[src.name] = new
-    out_graph.lint()
-    return fx.GraphModule(torch.nn.Module(), out_graph, class_name="RankProgram")
 
 
 def _resharded(g: fx.Graph, env: dict, src: str, want: str, specs: dict) -> fx.Node:
@@ -122,10 +196,19 @@ def _slug(spec: str) -> str:
 
 
 def program_source(gm: fx.GraphModule, plan: Plan) -> str:
-    """Standalone Python for the per-rank program: imports, then ``class RankProgram``."""
+    """Standalone Python for the per-rank program: imports, a class per
+    recomputed layer, then ``class RankProgram``."""
+    classes, globals_ = [], {}
+    children = list(gm.named_children())
+    for name, sub in children:
+        code = sub.graph.python_code(root_module="self")
+        globals_.update(code.globals)
+        classes.append(f"class {type(sub).__name__}(torch.nn.Module):\n"
+                       + textwrap.indent(code.src.strip("\n"), "    ") + "\n")
     code = gm.graph.python_code(root_module="self")
+    globals_.update(code.globals)
     lines = ["import torch", "import torch.fx"]
-    for name, obj in sorted(code.globals.items()):
+    for name, obj in sorted(globals_.items()):
         if name == "torch":
             continue
         if obj is type(None):
@@ -143,8 +226,13 @@ def program_source(gm: fx.GraphModule, plan: Plan) -> str:
             raise PlanError(f"cannot emit the global {name} = {obj!r} of the generated program")
     head = HEADER.format(mesh=plan.mesh, cluster=plan.cluster.get("name"),
                          step=plan.predicted["step_time_s"], mem=plan.predicted["peak_memory_bytes"] / 2**30)
+    init = ""
+    if children:
+        init = "    def __init__(self):\n        super().__init__()\n" + "".join(
+            f"        self.{name} = {type(sub).__name__}()\n" for name, sub in children) + "\n"
     body = textwrap.indent(code.src.strip("\n"), "    ")
-    return head + "\n".join(lines) + "\n\n\nclass RankProgram(torch.nn.Module):\n" + body + "\n"
+    return (head + "\n".join(lines) + "\n\n\n" + "\n\n".join(classes) + ("\n\n" if classes else "")
+            + "class RankProgram(torch.nn.Module):\n" + init + body + "\n")
 
 
 def load_program(source: str, name: str = "<autopar program>") -> torch.nn.Module:

@@ -12,11 +12,13 @@ from torch import nn
 
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
-from autopar.cost_models.graph_costs import CostContext, edge_moves, needs_grad, node_compute, node_memory
+from autopar.cost_models.graph_costs import CostContext, edge_moves, memory_breakdown, needs_grad, node_compute
 from autopar.errors import AutoparError
 from autopar.mesh import parse_mesh
+from autopar.errors import InfeasibleError
+from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers
 from autopar.passes.enumerate import enumerate_strategies
-from autopar.passes.strategy import fmt_spec, local_shape, shard_factor
+from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.solver import solve
 
@@ -25,13 +27,18 @@ log = logging.getLogger("autopar")
 
 def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, memory: float | None = None,
             optimizer: str = "adamw", time_limit_s: float = 60.0, solver: str = "HIGHS",
-            source: str | None = None, parameter_placements: dict | None = None) -> Plan:
+            source: str | None = None, parameter_placements: dict | None = None,
+            cluster_layers: bool = True, precision: str = "fp32", recompute: str = "auto") -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
     last one is the target. ``memory`` is the per-device budget in bytes
     (default: the cluster device's memory). ``parameter_placements`` pins
-    parameters ({fqn: ["S(0)", "R"]}), e.g. to keep the shards of a running model."""
+    parameters ({fqn: ["S(0)", "R"]}), e.g. to keep the shards of a running model.
+    ``precision`` "bf16"/"fp16" prices mixed-precision training (compute-dtype
+    activations and GEMMs, fp32 master weights); the emitted program computes
+    in the model's own dtype. ``cluster_layers`` gives identical repeated layers one shared set of ILP
+    variables (passes/cluster.py); False solves every node on its own."""
     timings = {}
     t = time.perf_counter()
     mesh = parse_mesh(mesh)
@@ -45,23 +52,62 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     notes = _divisibility_warnings(graph, strategies, mesh)
     timings["strategies_s"] = time.perf_counter() - t
 
-    ctx = CostContext.make(mesh.shape, cluster, optimizer)
+    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
     budget = memory if memory is not None else cluster.device.memory
-    pinned = _pins(graph, strategies, parameter_placements or {})
-    solution = solve(graph, strategies, ctx, memory_budget=budget, time_limit_s=time_limit_s, backend=solver,
-                     pinned=pinned)
-    timings["solve_s"] = solution.wall_s
+    classes = layer_classes(graph) if cluster_layers else None
+    pinned = _pins(graph, strategies, parameter_placements or {}, classes)
+    solution, layers = _solve_with_recompute(graph, strategies, ctx, recompute, budget=budget,
+                                             time_limit_s=time_limit_s, backend=solver, pinned=pinned,
+                                             classes=classes)
+    timings["solve_s"] = time.perf_counter() - t - timings["strategies_s"]
 
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-    plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source)
+    recomputed = nodes_of_layers(graph, {tuple(_split_layer(p)) for p in layers})
+    plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, recomputed)
     plan.fallbacks = [vars(f) for f in fallbacks]
     plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
                              for f in fallbacks]
     plan.solver["timings"] = timings
+    plan.recompute = {"mode": "full" if layers else "none", "layers": layers,
+                      "candidates": solution.extra.pop("recompute_candidates")}
     return plan
 
 
-def _pins(graph: Graph, strategies: dict, placements: dict) -> dict:
+RECOMPUTE = ("auto", "none", "full")
+
+
+def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, **options):
+    """Solve once per recomputation option and keep the fastest plan that fits.
+
+    Options: no recomputation, or full recomputation of every numbered layer
+    (Chen et al. 2016; Korthikanti et al. 2022 "full"). Returns the solution
+    and the recomputed layer paths."""
+    if mode not in RECOMPUTE:
+        raise AutoparError(f"recompute {mode!r} is not one of {RECOMPUTE}")
+    lists = layer_lists(graph)
+    layers = {(lst, i) for lst, idx in lists.items() for i in idx}
+    options_ = {"none": [set()], "full": [layers], "auto": [set(), layers] if layers else [set()]}[mode]
+    best, errors, candidates = None, [], []
+    for chosen in options_:
+        try:
+            sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes,
+                        recomputed=nodes_of_layers(graph, chosen), **options)
+        except InfeasibleError as e:
+            errors.append(e)
+            candidates.append({"recompute": "full" if chosen else "none", "status": "INFEASIBLE"})
+            continue
+        candidates.append({"recompute": "full" if chosen else "none", "status": sol.status,
+                           "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})
+        if best is None or sol.objective_s < best[0].objective_s:
+            best = (sol, chosen)
+    if best is None:
+        raise errors[-1]
+    sol, chosen = best
+    sol.extra["recompute_candidates"] = candidates
+    return sol, [f"{lst}.{i}" for lst, i in sorted(chosen)]
+
+
+def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None) -> dict:
     pins = {}
     for fqn, spec in placements.items():
         if fqn not in graph.params:
@@ -70,7 +116,11 @@ def _pins(graph: Graph, strategies: dict, placements: dict) -> dict:
         text = "".join(spec)
         for i, s in enumerate(strategies[name]):
             if fmt_spec(s.output) == text:
-                pins[name] = i
+                rep = classes[name] if classes else name
+                if pins.get(rep, i) != i:
+                    raise AutoparError(f"cannot pin {fqn} to {text}: it shares its layer class's placement "
+                                       "(compile with cluster_layers=False to pin layers differently)")
+                pins[rep] = i
                 break
         else:
             valid = [fmt_spec(s.output) for s in strategies[name]]
@@ -95,9 +145,16 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
     return notes
 
 
+def _split_layer(path: str) -> tuple:
+    lst, _, i = path.rpartition(".")
+    return lst, int(i)
+
+
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
-               source: str | None) -> Plan:
+               source: str | None, recomputed: set = frozenset()) -> Plan:
     grad = needs_grad(graph)
+    from autopar.solver import _first_instance
+    live_again = _first_instance(set(recomputed), graph)
     nodes, collectives = [], []
     compute = comm = 0.0
     memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
@@ -105,9 +162,15 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     for node in graph.nodes.values():
         s = chosen[node.name]
         f, b = node_compute(node, s, ctx, node.name in grad)
+        if node.name in recomputed:
+            b += f  # the forward runs again in backward
         compute += f + b
-        mem = node_memory(node, s, ctx, node.name in grad)
-        _add_memory(memory, node, s, ms, mem)
+        parts = memory_breakdown(node, s, ctx, node.name in grad)
+        if node.name in recomputed and node.name not in live_again:
+            parts = {k: v for k, v in parts.items() if k != "activations"}
+        mem = sum(parts.values())
+        for k, v in parts.items():
+            memory[k] += v
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
                               [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), f + b, mem,
                               len(strategies[node.name])))
@@ -145,7 +208,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
         "model_flops": total_flops,
-        "mfu": total_flops / (step * mesh.size * ctx.cluster.device.flops("fp32")) if step > 0 else 0.0,
+        "mfu": total_flops / (step * mesh.size * ctx.cluster.device.flops(ctx.precision)) if step > 0 else 0.0,
+        "precision": ctx.precision,
     }
     topology = [{"name": n, "size": a.size, "intra_node": a.intra, "inter_node": a.inter,
                  "level": "inter-node" if a.intra == 1 and a.inter > 1 else
@@ -170,18 +234,6 @@ def _placeholders(graph: Graph) -> list:
         elif n.kind is NodeKind.INPUT:
             out.append(["input", n.input_index])
     return out
-
-
-def _add_memory(memory: dict, node, s, ms, mem: float) -> None:
-    if node.kind is NodeKind.PARAM:
-        local = node.out.nbytes / shard_factor(s.output, ms)
-        memory["parameters"] += local
-        memory["gradients"] += local
-        memory["optimizer"] += mem - 2 * local
-    elif node.kind is NodeKind.INPUT:
-        memory["inputs"] += mem
-    else:
-        memory["activations"] += mem
 
 
 def _model_flops(graph: Graph, grad: set) -> float:

@@ -55,6 +55,8 @@ class Plan:
     pipeline: dict | None = None
     fallbacks: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    recompute: dict = field(default_factory=lambda: {"mode": "none", "layers": []})
+    """Activation recomputation: {"mode": "none"|"full", "layers": ["blocks.0", ...]}."""
 
     # --- derived views -------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -90,6 +92,7 @@ class Plan:
             "solver": self.solver,
             "fallbacks": self.fallbacks,
             "warnings": self.warnings,
+            "recompute": self.recompute,
         }
 
     def dumps(self) -> str:
@@ -134,7 +137,8 @@ class Plan:
             _require(c.get("phase") in PHASES, f"collective phase {c.get('phase')!r} is not one of {PHASES}", c)
         return cls(mesh, obj["cluster"], obj["mesh"].get("topology", []), obj["model"], obj["parameters"],
                    obj["inputs"], nodes, obj["collectives"], obj["predicted"], obj["solver"], obj["pipeline"],
-                   obj.get("fallbacks", []), obj.get("warnings", []))
+                   obj.get("fallbacks", []), obj.get("warnings", []),
+                   obj.get("recompute", {"mode": "none", "layers": []}))
 
     @classmethod
     def load(cls, path: str) -> "Plan":

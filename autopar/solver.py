@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
@@ -59,85 +60,111 @@ class Solution:
 
 def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: float | None = None,
           time_limit_s: float = 60.0, pinned: dict | None = None, backend: str = "HIGHS",
-          relative_gap: float = 1e-4) -> Solution:
+          relative_gap: float = 1e-4, classes: dict | None = None, recomputed: set | None = None) -> Solution:
+    """``classes`` maps a node to the representative whose variables it shares
+    (passes/cluster.py); its costs and memory add onto the representative's.
+    Nodes in ``recomputed`` keep no activations for backward and run their
+    forward twice; one such layer's activations are live during its backward."""
     t0 = time.perf_counter()
     grad = needs_grad(graph)
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
+    rep = classes or {name: name for name in graph.nodes}
     with _quiet_stdout():
         model = pywraplp.Solver.CreateSolver(backend)
     model.SuppressOutput()
-    x = {}
-    objective = []
-    mem_terms = []
     n_axes = len(ctx.mesh_shape)
-    for node in graph.nodes.values():
-        strats = strategies[node.name]
-        allowed = range(len(strats))
-        if pinned and node.name in pinned:
-            allowed = [pinned[node.name]]
-        x[node.name] = [model.BoolVar(f"x_{node.name}_{i}") for i in range(len(strats))]
-        model.Add(sum(x[node.name]) == 1)
-        for i, v in enumerate(x[node.name]):
-            if i not in allowed:
-                v.SetUb(0)
-        backward = node.name in grad
-        for i, s in enumerate(strats):
-            f, b = node_compute(node, s, ctx, backward)
-            c = (f + b) * US
-            if c:
-                objective.append(c * x[node.name][i])
-            m = node_memory(node, s, ctx, backward)
-            if m:
-                mem_terms.append((m, x[node.name][i]))
+    objective: dict = {}  # variable -> coefficient
+    mem: dict = {}
 
-    for node in graph.nodes.values():
-        cons = strategies[node.name]
-        for idx, src in enumerate(node.inputs):
-            prod = strategies[src]
-            meta = graph.nodes[src].outputs[0]
-            backward = node.name in grad and src in grad
-            out_groups: dict = {}
-            for i, s in enumerate(prod):
-                out_groups.setdefault(s.output, []).append(i)
-            in_groups: dict = {}
-            for j, s in enumerate(cons):
-                key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
-                in_groups.setdefault(key, []).append((j, s))
-            cost = {}
-            for p in out_groups:
-                for key, members in in_groups.items():
-                    f, b = edge_moves(p, members[0][1], idx, meta, ctx, backward)
-                    cost[p, key] = (seconds(f) + seconds(b)) * US
-            if len(out_groups) == 1 or len(in_groups) == 1:
-                # one side is fixed: the edge cost is a function of the other side
-                (p0,) = out_groups if len(out_groups) == 1 else (None,)
-                if p0 is not None:
-                    for key, members in in_groups.items():
-                        c = cost[p0, key]
-                        if c:
-                            objective.extend(c * x[node.name][j] for j, _ in members)
-                else:
-                    (k0,) = in_groups
-                    for p, members in out_groups.items():
-                        c = cost[p, k0]
-                        if c:
-                            objective.extend(c * x[src][i] for i in members)
-                continue
-            y = {}
-            for (p, key), c in cost.items():
-                y[p, key] = model.NumVar(0.0, 1.0, f"y_{src}_{node.name}_{idx}_{len(y)}")
-                if c:
-                    objective.append(c * y[p, key])
-            for p, members in out_groups.items():
-                model.Add(sum(y[p, k] for k in in_groups) == sum(x[src][i] for i in members))
+    def add(table, var, c):
+        if c:
+            table[var] = table.get(var, 0.0) + c
+
+    count = Counter(rep[name] for name in graph.nodes)
+    recomputed = recomputed or set()
+    # one recomputed layer is materialised again during its own backward
+    live_again = _first_instance(recomputed, graph)
+    x = {}
+    priced = {}
+    for name in count:
+        strats = strategies[name]
+        x[name] = [model.BoolVar(f"x_{name}_{i}") for i in range(len(strats))]
+        one = model.Constraint(1, 1)
+        for v in x[name]:
+            one.SetCoefficient(v, 1)
+        if pinned and name in pinned:
+            for i, v in enumerate(x[name]):
+                if i != pinned[name]:
+                    v.SetUb(0)
+        node, backward = graph.nodes[name], name in grad
+        priced[name] = [(node_compute(node, st, ctx, backward), node_memory(node, st, ctx, backward))
+                        for st in strats]
+    for name in graph.nodes:
+        r = rep[name]
+        again = name in recomputed
+        for i, ((f, b), m) in enumerate(priced[r]):
+            add(objective, x[r][i], (f + b + (f if again else 0.0)) * US)
+            if graph.nodes[name].kind is NodeKind.OP and again:
+                m = m if name in live_again else 0.0
+            add(mem, x[r][i], m)
+
+    edges = Counter((rep[src], rep[node.name], idx)
+                    for node in graph.nodes.values() for idx, src in enumerate(node.inputs))
+    for (src, dst, idx), times in edges.items():
+        prod, cons = strategies[src], strategies[dst]
+        meta = graph.nodes[src].outputs[0]
+        backward = dst in grad and src in grad
+        out_groups: dict = {}
+        for i, s in enumerate(prod):
+            out_groups.setdefault(s.output, []).append(i)
+        in_groups: dict = {}
+        for j, s in enumerate(cons):
+            key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
+            in_groups.setdefault(key, []).append((j, s))
+        cost = {}
+        for p in out_groups:
             for key, members in in_groups.items():
-                model.Add(sum(y[p, key] for p in out_groups) == sum(x[node.name][j] for j, _ in members))
+                f, b = edge_moves(p, members[0][1], idx, meta, ctx, backward)
+                cost[p, key] = (seconds(f) + seconds(b)) * US * times
+        if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
+            (p0,) = out_groups
+            for key, members in in_groups.items():
+                for j, _ in members:
+                    add(objective, x[dst][j], cost[p0, key])
+            continue
+        if len(in_groups) == 1:  # the consumer's input is fixed
+            (k0,) = in_groups
+            for p, members in out_groups.items():
+                for i in members:
+                    add(objective, x[src][i], cost[p, k0])
+            continue
+        y = {}
+        for (p, key), c in cost.items():
+            y[p, key] = model.NumVar(0.0, 1.0, "")
+            add(objective, y[p, key], c)
+        for p, members in out_groups.items():
+            row = model.Constraint(0, 0)
+            for k in in_groups:
+                row.SetCoefficient(y[p, k], 1)
+            for i in members:
+                row.SetCoefficient(x[src][i], -1)
+        for key, members in in_groups.items():
+            row = model.Constraint(0, 0)
+            for p in out_groups:
+                row.SetCoefficient(y[p, key], 1)
+            for j, _ in members:
+                row.SetCoefficient(x[dst][j], -1)
 
     if memory_budget is not None:
         # in MiB so that the row is well scaled next to the objective
-        model.Add(sum((c / 2**20) * v for c, v in mem_terms) <= memory_budget / 2**20)
-    model.Minimize(sum(objective))
+        row = model.Constraint(-model.infinity(), memory_budget / 2**20)
+        for v, c in mem.items():
+            row.SetCoefficient(v, c / 2**20)
+    obj = model.Objective()
+    for v, c in objective.items():
+        obj.SetCoefficient(v, c)
+    obj.SetMinimization()
     model.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
@@ -148,19 +175,36 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
-            raise _infeasible(graph, strategies, ctx, grad, memory_budget)
+            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set())
         raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
-    choice = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
-    mem = sum(c for c, v in mem_terms if v.solution_value() > 0.5)
-    return Solution(choice, names[status], model.Objective().Value() / US, wall,
-                    model.NumVariables(), model.NumConstraints(), float(mem),
-                    {"best_bound_s": model.Objective().BestBound() / US, "backend": backend})
+    chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
+    choice = {name: chosen[rep[name]] for name in graph.nodes}
+    used = sum(c for v, c in mem.items() if v.solution_value() > 0.5)
+    bound = obj.BestBound() / US
+    value = obj.Value() / US
+    return Solution(choice, names[status], value, wall, model.NumVariables(), model.NumConstraints(), float(used),
+                    {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
+                     "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
 
 
-def _infeasible(graph, strategies, ctx, grad, budget) -> InfeasibleError:
+def _first_instance(recomputed: set, graph: Graph) -> set:
+    """The nodes of the first recomputed layer instance."""
+    from autopar.passes.cluster import layer_of
+    layers = sorted({layer_of(graph.nodes[n]) for n in recomputed} - {None})
+    if not layers:
+        return set()
+    first = layers[0]
+    return {n for n in recomputed if layer_of(graph.nodes[n]) == first}
+
+
+def _infeasible(graph, strategies, ctx, grad, budget, recomputed) -> InfeasibleError:
     """Smallest memory any plan needs (each node at its smallest), and the biggest parts."""
     least = {}
+    live_again = _first_instance(recomputed, graph)
     for node in graph.nodes.values():
+        if node.name in recomputed and node.name not in live_again and node.kind is NodeKind.OP:
+            least[node.name] = 0.0
+            continue
         least[node.name] = min(node_memory(node, s, ctx, node.name in grad) for s in strategies[node.name])
     need = sum(least.values())
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]

@@ -20,6 +20,7 @@ import math
 import threading
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
@@ -166,7 +167,7 @@ def op(node: str, fn, spec: str, *args, **kwargs):
     largs, lkwargs = _unwrap(args, kwargs, out_spec)
     try:
         out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, largs, lkwargs, args)
-    except Exception as e:
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
         placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
         raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
     # A mean over a dim split n ways is the local mean / n, summed over ranks.
@@ -187,6 +188,18 @@ def reshape(node: str, fn, spec: str, x: DTensor, local_shape: list, *rest):
     else:
         out = lx.reshape(local_shape)
     return _wrap(out, out_spec)
+
+
+def checkpoint(layer, *args):
+    """Run a layer keeping only its inputs; its forward (with its collectives,
+    identically on every rank) runs again during backward."""
+    mesh = _mesh()
+
+    def run(*inputs):
+        with use_mesh(mesh):  # the recomputation runs in backward, outside the forward's context
+            return layer(*inputs)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
 def factory(fn, *args, **kwargs):

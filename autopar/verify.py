@@ -51,7 +51,7 @@ def _full_grad(p, placements, mesh):
 
 
 def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, random_seed: int | None = None,
-          plan_path: str | None = None, local_inputs: bool = False) -> dict:
+          plan_path: str | None = None, local_inputs: bool = False, **compile_options) -> dict:
     model, inputs, loss_fn = load_factory(source)
     reference = copy.deepcopy(model)
     mesh_ = parse_mesh(mesh)
@@ -61,7 +61,8 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     elif random_seed is not None:
         plan = random_plan(model, inputs, loss_fn, mesh_, cluster, random_seed)
     else:
-        plan = compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, source=source)
+        plan = compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, source=source,
+                            **compile_options)
     graph = capture(model, inputs, loss_fn)
     program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh,
@@ -102,7 +103,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     report["param_max_abs"] = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in keys)
     report["param_by_name"] = {k: _rel(state[k], ref_state[k]) for k in keys}
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
-    report["plan"] = {"strategies": {n.name: n.strategy for n in plan.nodes},
+    report["plan"] = {"recompute": plan.recompute.get("layers", []), "strategies": {n.name: n.strategy for n in plan.nodes},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()},
                       "collectives": len(plan.collectives)}
     return report
@@ -130,11 +131,14 @@ def main(argv=None):
     ap.add_argument("--random-plans", type=int, default=0, help="also check N random valid plans")
     ap.add_argument("--local-inputs", action="store_true", help="feed each rank its own shard of the batch")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
+    ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
     ap.add_argument("--json", help="write the report here (rank 0)")
     args = ap.parse_args(argv)
     reports = []
     for mesh in args.mesh:
-        r = check(args.source, mesh, args.cluster, args.steps, plan_path=args.plan, local_inputs=args.local_inputs)
+        r = check(args.source, mesh, args.cluster, args.steps, plan_path=args.plan, local_inputs=args.local_inputs,
+                  recompute=args.recompute, memory=args.memory)
         reports.append({**r, "mesh": mesh, "label": f"mesh {mesh}, solved plan"})
         for seed in range(args.random_plans):
             r = check(args.source, mesh, args.cluster, args.steps, random_seed=seed)

@@ -16,12 +16,27 @@ from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import AxisLinks, axis_links
 from autopar.cost_models.compute import op_time
+from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, transitions
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import Strategy, shard_factor
 
-BYTES_PER_PARAM_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-"""Optimizer state tensors per parameter (SGD none, momentum one, Adam two moments)."""
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+"""fp32 optimizer state tensors per parameter (SGD none, momentum one, Adam two moments)."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def param_bytes(precision: str, optimizer: str) -> dict:
+    """Bytes per parameter element, by kind (Rajbhandari et al. 2020, ZeRO, sec. 3.1).
+
+    fp32: 4 B weights, 4 B gradients, 4 B per optimizer state. Mixed precision
+    (bf16/fp16 compute): 2 B weights and 2 B gradients in the compute dtype,
+    plus an fp32 master copy (4 B) with the fp32 states: 2 + 2 + 12 = 16 B for Adam."""
+    states = 4 * OPTIMIZER_STATES[optimizer]
+    if precision == "fp32":
+        return {"parameters": 4, "gradients": 4, "optimizer": states}
+    return {"parameters": 2, "gradients": 2, "optimizer": 4 + states}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,10 +77,22 @@ class CostContext:
     cluster: Cluster
     links: list  # list[AxisLinks]
     optimizer: str = "adamw"
+    precision: str = "fp32"
+    """Compute dtype: fp32, or bf16/fp16 mixed precision (fp32 master weights)."""
 
     @classmethod
-    def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw") -> "CostContext":
-        return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer)
+    def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32") -> "CostContext":
+        if optimizer not in OPTIMIZER_STATES:
+            raise AutoparError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
+        if precision not in PRECISIONS:
+            raise AutoparError(f"precision {precision!r} is not one of {PRECISIONS}")
+        return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision)
+
+    def tensor_bytes(self, meta) -> float:
+        """Bytes of a tensor in the compute dtype (floating tensors follow the precision)."""
+        if self.precision != "fp32" and meta.dtype.is_floating_point:
+            return meta.nbytes * 2 / max(1, meta.dtype.itemsize)
+        return float(meta.nbytes)
 
 
 def needs_grad(graph: Graph) -> set:
@@ -88,35 +115,43 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     work = math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
     rule = get_rule(node.target)
     matmul = rule is not None and rule.matmul
-    dtype = _dtype_name(node.out.dtype)
-    fwd = op_time(op_flops(node) / work, op_bytes(node) / work, ctx.cluster.device, dtype, matmul=matmul)
+    dtype = ctx.precision if node.out.dtype.is_floating_point and ctx.precision != "fp32" \
+        else _dtype_name(node.out.dtype)
+    nbytes = sum(ctx.tensor_bytes(m) for m in (*node.info.inputs, *node.info.outputs))
+    fwd = op_time(op_flops(node) / work, nbytes / work, ctx.cluster.device, dtype, matmul=matmul)
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
     # about one pass over the same data.
     bwd = (2.0 if matmul else 1.0) * fwd if backward else 0.0
     return fwd, bwd
 
 
-def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:
-    """Bytes per device this node holds over the step under strategy ``s``."""
+def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> dict:
+    """Bytes per device this node holds over the step under strategy ``s``, by kind."""
     ms = ctx.mesh_shape
     if node.kind is NodeKind.PARAM:
-        local = node.out.nbytes / shard_factor(s.output, ms)
-        return local * (2 + BYTES_PER_PARAM_STATE.get(ctx.optimizer, 2))  # param + grad + states
+        elements = math.prod(node.out.shape) / shard_factor(s.output, ms)
+        return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer).items()}
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
-        return node.out.nbytes / shard_factor(s.output, ms)
+        return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
     if node.kind is NodeKind.OP and backward and node.target is not operator.getitem:
-        return sum(m.nbytes for m in node.outputs) / shard_factor(s.output, ms)  # saved for backward
-    return 0.0
+        # the output is kept for backward (an upper bound: some ops save less)
+        return {"activations": sum(ctx.tensor_bytes(m) for m in node.outputs) / shard_factor(s.output, ms)}
+    return {}
+
+
+def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:
+    return sum(memory_breakdown(node, s, ctx, backward).values())
 
 
 def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):
     """(forward moves, backward moves) on the edge into input ``index`` of a consumer."""
     dst = consumer.inputs[index]
-    fwd = transitions(src_spec, dst, meta.nbytes, ctx.mesh_shape, ctx.links)
+    nbytes = ctx.tensor_bytes(meta)
+    fwd = transitions(src_spec, dst, nbytes, ctx.mesh_shape, ctx.links)
     bwd = []
     if backward:
         g_in = grad_spec(dst, splits(consumer, len(ctx.mesh_shape)))
-        bwd = transitions(g_in, producer_grad_spec(src_spec), meta.nbytes, ctx.mesh_shape, ctx.links)
+        bwd = transitions(g_in, producer_grad_spec(src_spec), nbytes, ctx.mesh_shape, ctx.links)
     return fwd, bwd
 
 

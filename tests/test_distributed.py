@@ -39,6 +39,15 @@ def test_local_batches_from_each_rank(tmp_path):
     assert_agrees(verify("examples/gpt.py:small", "2x2", 4, tmp_path, random_plans=0, extra=["--local-inputs"]))
 
 
+def test_recomputed_layers_with_sharded_parameters(tmp_path):
+    """Every block under activation checkpointing (its reshards, including the
+    parameter all-gathers, run again in backward), parameters sharded."""
+    reports = verify("examples/gpt.py:small", "2x2", 4, tmp_path, random_plans=0, extra=["--recompute", "full"])
+    assert reports[0]["plan"]["recompute"] == ["blocks.0", "blocks.1"]
+    assert any(set(p) != {"R"} for p in reports[0]["plan"]["parameters"].values())
+    assert_agrees(reports)
+
+
 def test_two_nodes_with_c10d_rendezvous(tmp_path):
     port = free_port()
     out = tmp_path / "report.json"

@@ -1,0 +1,287 @@
+"""``autopar explain``: why a node (or a parameter) got its strategy.
+
+The plan's model is captured again from ``plan.model["source"]``, the node's
+candidate strategies are enumerated as ``autopar compile`` did, and each one is
+priced *in the context of the plan*: its neighbours keep their planned
+strategies, so a candidate pays its own compute (forward + backward) plus the
+resharding, forward and backward, on every edge to its producers and to its
+consumers, with the same cost functions the ILP's objective uses
+(cost_models/graph_costs.py). Memory is the ILP's other constraint (a
+per-device budget), shown next to each candidate.
+
+A parameter is explained through its placeholder node: it computes nothing,
+so its cost is the edges to its consumers (in backward, the gradient sync),
+and its memory (weights, gradients, optimizer states).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from autopar.errors import AutoparError, PlanError
+from autopar.passes.strategy import Strategy, fmt_spec, parse_spec
+from autopar.plan import Plan
+from autopar.report import _fmt_bytes as fmt_bytes
+from autopar.report import _fmt_s as fmt_s
+
+
+@dataclass
+class Transfer:
+    """One collective a candidate causes on one of its edges."""
+
+    neighbour: str
+    direction: str  # "in" (from a producer) or "out" (to a consumer)
+    node: str
+    phase: str  # forward / backward
+    kind: str
+    axis: str
+    nbytes: float
+    seconds: float
+
+    def __str__(self) -> str:
+        src, dst = (self.neighbour, self.node) if self.direction == "in" else (self.node, self.neighbour)
+        return (f"{self.phase:8s} {self.kind} on {self.axis}, {fmt_bytes(self.nbytes)}, {fmt_s(self.seconds)}"
+                f"  (edge {src} -> {dst})")
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    compute_s: float
+    comm_in_s: float
+    comm_out_s: float
+    memory_bytes: float
+    chosen: bool
+    transfers: list = field(default_factory=list)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm_in_s + self.comm_out_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass
+class Explanation:
+    target: str
+    node: str
+    op: str
+    location: str
+    parameter: str | None
+    producers: list  # [(name, planned output spec)]
+    consumers: list  # [(name, planned spec it takes this node's output in)]
+    candidates: list  # list[Candidate], cheapest first, the chosen one first among equals
+    memory_budget_bytes: float
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.chosen)
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        return next((c for c in self.candidates if not c.chosen), None)
+
+
+def capture_plan_model(plan: Plan, source: str | None = None):
+    """The plan's model captured again, checked against the plan's fingerprint.
+
+    ``source`` overrides ``plan.model["source"]`` (FILE.py:FACTORY), e.g. when
+    the plan was compiled from another directory."""
+    from autopar.capture import capture
+    from autopar.runtime import load_factory
+
+    source = source or plan.model.get("source")
+    if not source:
+        raise PlanError("the plan does not name its model (it was compiled in-process); "
+                        "pass the model as FILE.py:FACTORY (--source)")
+    path = source.rsplit(":", 1)[0]
+    if not os.path.exists(path):
+        raise PlanError(f"the plan's model {source!r} is not found from {os.getcwd()}: run from the directory "
+                        "the plan was compiled in, or pass --source FILE.py:FACTORY")
+    model, inputs, loss_fn = load_factory(source)
+    graph = capture(model, inputs, loss_fn)
+    want = plan.model.get("fingerprint")
+    if want and graph.fingerprint() != want:
+        raise PlanError(f"{source} now traces to a different graph (fingerprint {graph.fingerprint()}, the plan "
+                        f"has {want}): the model changed since the plan was compiled; recompile it")
+    return graph
+
+
+def _resolve(plan: Plan, graph, target: str) -> tuple[str, str | None]:
+    """(node name, parameter fqn or None) for a node name, parameter fqn or module path."""
+    names = {n.name for n in plan.nodes}
+    if target in names:
+        fqn = next((f for f, ph in graph.params.items() if ph == target), None)
+        return target, fqn
+    if target in graph.params:
+        return graph.params[target], target
+    at = [n for n in plan.nodes if n.location == target and n.op not in ("param", "buffer")]
+    if len(at) == 1:
+        return at[0].name, None
+    if at:
+        raise AutoparError(f"{target!r} is a module with {len(at)} nodes: "
+                           f"{', '.join(n.name + ' (' + n.op + ')' for n in at)}; explain one of them")
+    pool = sorted(names | set(graph.params) | {n.location for n in plan.nodes if n.location})
+    close = difflib.get_close_matches(target, pool, n=6, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else \
+        "; `autopar show --all` lists the nodes, and parameters are named by fqn (e.g. blocks.0.attn.q.weight)"
+    raise AutoparError(f"the plan has no node or parameter named {target!r}{hint}")
+
+
+def _planned_strategy(plan_node, strategies: list, ndim: int) -> Strategy:
+    for s in strategies:
+        if str(s) == plan_node.strategy:
+            return s
+    return Strategy(tuple(parse_spec(x, ndim) for x in plan_node.input_specs), parse_spec(plan_node.output_spec, ndim))
+
+
+def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = None) -> Explanation:
+    """Price every candidate strategy of ``target`` with its neighbours as planned."""
+    from autopar.cost_models.cluster import Cluster
+    from autopar.cost_models.graph_costs import CostContext, edge_moves, needs_grad, node_compute, node_memory
+    from autopar.passes.enumerate import enumerate_strategies
+
+    graph = graph if graph is not None else capture_plan_model(plan, source)
+    name, fqn = _resolve(plan, graph, target)
+    if name not in graph.nodes:
+        raise PlanError(f"node {name!r} of the plan is not in the captured model; recompile the plan")
+    mesh = plan.mesh
+    strategies, _ = enumerate_strategies(graph, mesh.shape)
+    kwargs = {}
+    precision = plan.predicted.get("precision")
+    if precision and precision != "fp32":
+        kwargs["precision"] = precision
+    ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), plan.model.get("optimizer", "adamw"),
+                           **kwargs)
+    grad = needs_grad(graph)
+    planned = {n.name: n for n in plan.nodes}
+    node = graph.nodes[name]
+    chosen_text = planned[name].strategy
+
+    def planned_of(other: str) -> Strategy:
+        if other not in planned:
+            raise PlanError(f"node {other!r} is in the model but not in the plan; recompile the plan")
+        return _planned_strategy(planned[other], strategies[other], mesh.ndim)
+
+    consumers = graph.consumers()[name]
+    producers = [(src, fmt_spec(planned_of(src).output)) for src in node.inputs]
+    consumer_specs = [(c, fmt_spec(planned_of(c).inputs[i])) for c, i in consumers]
+
+    candidates = []
+    for s in strategies[name]:
+        f, b = node_compute(node, s, ctx, name in grad)
+        transfers = []
+        for idx, src in enumerate(node.inputs):
+            fwd, bwd = edge_moves(planned_of(src).output, s, idx, graph.nodes[src].outputs[0], ctx,
+                                  name in grad and src in grad)
+            transfers += _transfers(src, "in", name, fwd, bwd, mesh.names)
+        for c, idx in consumers:
+            fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
+            transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)
+        candidates.append(Candidate(
+            str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in"),
+            sum(t.seconds for t in transfers if t.direction == "out"),
+            node_memory(node, s, ctx, name in grad), str(s) == chosen_text, transfers))
+    if not any(c.chosen for c in candidates):
+        raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
+                        "the model or autopar's rules changed since the plan was compiled; recompile it")
+    # cheapest first; among equals the chosen one first, then fewer bytes per device
+    candidates.sort(key=lambda c: (round(c.total_s, 15), not c.chosen, c.memory_bytes))
+    budget = plan.solver.get("memory_budget_bytes") or plan.predicted.get("memory_capacity_bytes", 0.0)
+    return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget)
+
+
+def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names) -> list[Transfer]:
+    return [Transfer(neighbour, direction, node, phase, m.kind.value, axis_names[m.axis], m.nbytes, m.seconds)
+            for phase, moves in (("forward", fwd), ("backward", bwd)) for m in moves]
+
+
+def format_explanation(e: Explanation, *, limit: int = 12) -> str:
+    what = f"parameter {e.parameter} (node {e.node})" if e.parameter else f"node {e.node}: {e.op}"
+    out = [f"{what}" + (f" at {e.location}" if e.location and not e.parameter else "")]
+    if e.producers:
+        out.append("  inputs from: " + ", ".join(f"{n} as {s}" for n, s in e.producers))
+    if e.consumers:
+        shown = e.consumers[:8]
+        more = f", ... {len(e.consumers) - 8} more" if len(e.consumers) > 8 else ""
+        out.append("  consumed by: " + ", ".join(f"{n} (takes {s})" for n, s in shown) + more)
+    n = len(e.candidates)
+    out.append(f"{n} candidate strateg{'y' if n == 1 else 'ies'}, each priced with its neighbours as planned "
+               "(compute fwd+bwd, resharding fwd+bwd on its edges):")
+    rows = []
+    shown = e.candidates[:limit]
+    if not any(c.chosen for c in shown):
+        shown = shown[:-1] + [e.chosen]
+    rank = {id(c): i + 1 for i, c in enumerate(e.candidates)}
+    for c in shown:
+        rows.append(("*" if c.chosen else "", rank[id(c)], c.strategy, fmt_s(c.total_s), fmt_s(c.compute_s),
+                     fmt_s(c.comm_in_s), fmt_s(c.comm_out_s), fmt_bytes(c.memory_bytes)))
+    head = ("", "#", "strategy", "total", "compute", "comm in", "comm out", "memory/device")
+    cells = [head] + [tuple(map(str, r)) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    for r in cells:
+        out.append("  " + "  ".join(x.rjust(w) if i in (1, 3, 4, 5, 6, 7) else x.ljust(w)
+                                    for i, (x, w) in enumerate(zip(r, widths))).rstrip())
+    if n > len(shown):
+        out.append(f"  ... {n - len(shown)} more (--limit)")
+
+    ch, nxt = e.chosen, e.runner_up
+    out.append("")
+    out.append(f"chosen: {ch.strategy}  total {fmt_s(ch.total_s)}")
+    for t in ch.transfers:
+        out.append(f"  {t}")
+    if not ch.transfers:
+        out.append("  no collectives on its edges")
+    if nxt is None:
+        out.append("it is the only candidate")
+        return "\n".join(out)
+    gap = nxt.total_s - ch.total_s
+    if gap > 0:
+        rel = f" ({gap / ch.total_s:.0%})" if ch.total_s else ""
+        out.append(f"next best: {nxt.strategy} costs {fmt_s(gap)} more{rel}: total {fmt_s(nxt.total_s)}")
+    elif gap == 0:
+        out.append(f"next best: {nxt.strategy} costs the same here ({fmt_s(nxt.total_s)}); the solver "
+                   "picked one of equals")
+    else:
+        why = ("it needs more memory than the budget allows" if nxt.memory_bytes > ch.memory_bytes else
+               "the chosen one saves elsewhere: nodes of one layer class share their strategy, or the solver "
+               "stopped within its optimality gap")
+        out.append(f"cheaper here: {nxt.strategy} by {fmt_s(-gap)}; {why}")
+    for t in nxt.transfers:
+        out.append(f"  {t}")
+    if nxt.compute_s != ch.compute_s:
+        out.append(f"  compute {fmt_s(nxt.compute_s)} instead of {fmt_s(ch.compute_s)}")
+    if nxt.memory_bytes != ch.memory_bytes:
+        out.append(f"  memory {fmt_bytes(nxt.memory_bytes)} instead of {fmt_bytes(ch.memory_bytes)} per device")
+    return "\n".join(out)
+
+
+def explain(plan: Plan, target: str, *, graph=None, source: str | None = None, limit: int = 12) -> str:
+    """Why ``target`` (a node name, parameter fqn or module path) got its strategy, as text."""
+    return format_explanation(explain_node(plan, target, graph=graph, source=source), limit=limit)
+
+
+def explain_main(argv=None) -> int:
+    """``autopar explain plan.json NODE_OR_PARAM [--source FILE.py:FACTORY] [--limit N]``."""
+    ap = argparse.ArgumentParser(prog="autopar explain",
+                                 description="Why a node or parameter got its strategy: every candidate priced "
+                                             "with its neighbours as planned")
+    ap.add_argument("plan")
+    ap.add_argument("target", help="node name (autopar show --all), parameter fqn, or module path with one op")
+    ap.add_argument("--source", help="FILE.py:FACTORY of the model, if not the one the plan names")
+    ap.add_argument("--limit", type=int, default=12, help="candidates to list (default 12)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(explain(Plan.load(args.plan), args.target, source=args.source, limit=args.limit))
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["explain", "explain_node", "format_explanation", "explain_main", "Explanation", "Candidate"]

@@ -1,0 +1,91 @@
+"""Repeated-layer clustering: nodes of identical layers share one set of ILP
+variables, so a 96-layer model costs the ILP what one layer does.
+
+A layer is a numbered module (``blocks.7``, ``h.7``, ``layers.7``...): every
+node whose module path (or parameter name) starts with ``<list>.<i>.`` belongs
+to layer i of that list. Layers are identical when their node sequences match
+op for op, shape for shape, with inputs that point to the same relative
+positions (inside the layer) or to the same kind of outside producer. Each
+node of layer i maps to the node at the same position of the first layer of
+its class, its representative.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from autopar.capture import Graph, NodeKind
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def layer_of(node) -> tuple[str, int] | None:
+    """(list path, index) of the numbered layer a node belongs to, e.g. ("blocks", 3)."""
+    m = _LAYER.match(node.fqn or "")
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def layer_classes(graph: Graph) -> dict[str, str]:
+    """node name -> representative node name (itself when not clustered)."""
+    members: dict = defaultdict(list)
+    for node in graph.nodes.values():
+        if node.kind in (NodeKind.OP, NodeKind.PARAM):
+            key = layer_of(node)
+            if key is not None:
+                members[key].append(node.name)
+    by_list: dict = defaultdict(list)
+    for (lst, i), names in members.items():
+        by_list[lst].append((i, names))
+    rep = {name: name for name in graph.nodes}
+    for lst, layers in by_list.items():
+        layers.sort()
+        signatures: dict = {}
+        for i, names in layers:
+            sig = _signature(graph, names)
+            if sig in signatures:
+                for mine, theirs in zip(names, signatures[sig]):
+                    rep[mine] = theirs
+            else:
+                signatures[sig] = names
+    return rep
+
+
+def _signature(graph: Graph, names: list[str]) -> tuple:
+    pos = {n: k for k, n in enumerate(names)}
+    out = []
+    for n in names:
+        node = graph.nodes[n]
+        ins = tuple(("in", pos[s]) if s in pos else ("out", graph.nodes[s].kind.value,
+                                                      tuple(graph.nodes[s].out.shape)) for s in node.inputs)
+        args = _static_args(node)
+        out.append((node.kind.value, node.op_name, tuple(tuple(m.shape) for m in node.outputs), ins, args))
+    return tuple(out)
+
+
+def _static_args(node) -> str:
+    if node.info is None:
+        return ""
+    return repr([a for a in node.info.args if not hasattr(a, "meta")]) + repr(sorted(node.info.kwargs.items()))
+
+
+def summary(rep: dict) -> dict:
+    """Counts for the plan: nodes, variables sets solved, classes."""
+    reps = set(rep.values())
+    clustered = sum(1 for k, v in rep.items() if k != v)
+    return {"nodes": len(rep), "solved_nodes": len(reps), "clustered_nodes": clustered}
+
+
+def layer_lists(graph: Graph) -> dict[str, list[int]]:
+    """Numbered layer lists of the graph, e.g. {"blocks": [0, 1, ..., 23]}."""
+    out: dict = defaultdict(set)
+    for node in graph.nodes.values():
+        if node.kind is NodeKind.OP:
+            key = layer_of(node)
+            if key is not None:
+                out[key[0]].add(key[1])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def nodes_of_layers(graph: Graph, layers: set) -> set:
+    """Op nodes inside the given (list path, index) layers."""
+    return {n.name for n in graph.nodes.values() if n.kind is NodeKind.OP and layer_of(n) in layers}

@@ -1,0 +1,93 @@
+"""Memory-aware planning: parameter/optimizer bytes, recomputation, the budget."""
+import pytest
+import torch
+
+import autopar
+from autopar.cost_models.cluster import get_cluster
+from autopar.cost_models.graph_costs import CostContext, memory_breakdown, param_bytes
+from autopar.capture import NodeKind
+from autopar.passes.strategy import R, S, Strategy
+
+
+@pytest.mark.parametrize("precision, optimizer, total", [
+    ("bf16", "adamw", 16),   # ZeRO paper: 2 + 2 + 12 bytes per parameter, mixed-precision Adam
+    ("fp16", "adam", 16),
+    ("fp32", "adamw", 16),   # 4 + 4 + 8
+    ("fp32", "sgd", 8),
+    ("bf16", "sgd-momentum", 12),  # 2 + 2 + fp32 master 4 + momentum 4
+])
+def test_bytes_per_parameter(precision, optimizer, total):
+    assert sum(param_bytes(precision, optimizer).values()) == total
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    from autopar.capture import capture
+    from gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(vocab=512, seq=64, hidden=128, heads=4, layers=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, 512, (8, 64))
+    return capture(model, (idx, idx), lm_loss), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("nd", [2, 4, 8])
+def test_zero_stage_0_and_3_formulas(gpt_graph, nd):
+    """Stage 0 (replicated): 16 psi per device; stage 3 (every parameter sharded
+    over the Nd data-parallel devices): 16 psi / Nd (Rajbhandari et al. 2020)."""
+    graph, psi = gpt_graph
+    ctx = CostContext.make((nd,), get_cluster("dgx-a100"), "adamw", "bf16")
+    replicated = sharded = 0.0
+    for node in graph.nodes.values():
+        if node.kind is not NodeKind.PARAM:
+            continue
+        replicated += sum(memory_breakdown(node, Strategy((), (R,)), ctx, True).values())
+        dim = next(d for d, size in enumerate(node.out.shape) if size % nd == 0)
+        sharded += sum(memory_breakdown(node, Strategy((), (S(dim),)), ctx, True).values())
+    assert replicated == 16 * psi
+    assert sharded == pytest.approx(16 * psi / nd)
+
+
+def sweep_model():
+    from gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(vocab=1024, seq=256, hidden=256, heads=4, layers=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, 1024, (64, 256))
+    return model, (idx, idx), lm_loss
+
+
+def test_budget_sweep_moves_from_data_parallel_to_sharding_and_recomputation():
+    """Lower budgets never give a faster plan; they shard parameters, then
+    recompute, then no plan fits and the error says how much is needed."""
+    model, inputs, loss = sweep_model()
+    rows = []
+    for budget in (None, 400e6, 150e6, 100e6):
+        plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, memory=budget,
+                               precision="bf16")
+        sharded = sum(p["placements"] != ["R"] for p in plan.parameters.values())
+        rows.append((plan.predicted["step_time_s"], plan.predicted["peak_memory_bytes"], sharded,
+                     plan.recompute["mode"]))
+        if budget:
+            assert plan.predicted["peak_memory_bytes"] <= budget
+    times = [r[0] for r in rows]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:])), times
+    assert rows[0][3] == "none" and rows[-1][3] == "full"
+    assert rows[-1][2] > rows[0][2]  # more parameters sharded at the low end
+    with pytest.raises(autopar.InfeasibleError, match=r"smallest plan needs at least 0\.\d+ GiB"):
+        autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, memory=60e6, precision="bf16")
+
+
+def test_recompute_trades_time_for_memory():
+    model, inputs, loss = sweep_model()
+    plans = {mode: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, recompute=mode)
+             for mode in ("none", "full")}
+    assert plans["full"].recompute["layers"] == [f"blocks.{i}" for i in range(4)]
+    assert plans["full"].predicted["memory"]["activations"] < plans["none"].predicted["memory"]["activations"]
+    assert plans["full"].predicted["compute_s"] > plans["none"].predicted["compute_s"]
+
+
+def test_bad_precision_is_named():
+    model, inputs, loss = sweep_model()
+    with pytest.raises(autopar.AutoparError, match="precision 'fp8' is not one of"):
+        autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, precision="fp8")
