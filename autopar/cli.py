@@ -18,7 +18,9 @@ def _compile(args) -> int:
     model, inputs, loss_fn = load_factory(args.source)
     memory = _parse_bytes(args.memory) if args.memory else None
     plan = compile_plan(model, inputs, mesh=args.mesh, cluster=args.cluster, loss_fn=loss_fn, memory=memory,
-                        time_limit_s=args.time_limit, solver=args.solver, source=args.source)
+                        optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
+                        opt_level=args.opt_level, time_limit_s=args.time_limit, relative_gap=args.gap,
+                        solver=args.solver, source=args.source, deterministic=args.deterministic)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     plan.save(args.output)
     if args.coverage:
@@ -30,6 +32,11 @@ def _compile(args) -> int:
             print("coverage: every op has a sharding rule (no replication fallback)")
     if not args.quiet:
         show(plan)
+    if args.verbose and "timings" in plan.solver:
+        print("timing: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in plan.solver["timings"].items()))
+        print("recompute candidates: " + "; ".join(
+            f"{c['recompute']}: {c['status']}" + (f" {c['objective'] * 1e3:.3f} ms" if "objective" in c else "")
+            for c in plan.recompute.get("candidates", [])))
     print(f"plan written to {args.output}")
     return 0
 
@@ -87,7 +94,7 @@ def _parse_bytes(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization compiler for PyTorch")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="print phases and a timing breakdown")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="plan a model: FILE.py:FACTORY -> plan.json")
@@ -95,7 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mesh", required=True, help="e.g. 4, 2x2 or dp=2,tp=2")
     c.add_argument("--cluster", required=True, help="a preset (dgx-a100, dgx-h100, h200, p3.16xlarge, cpu) or a JSON file")
     c.add_argument("--memory", help="per-device memory budget, e.g. 80GB (default: the device's)")
+    c.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype priced (bf16/fp16: mixed precision with fp32 master weights)")
+    c.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-momentum"],
+                   help="optimizer whose state is counted in memory")
+    c.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
+    c.add_argument("-O", dest="opt_level", type=int, default=1, choices=[1, 2],
+                   help="-O1: cluster repeated layers (seconds); -O2: wider search")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    c.add_argument("--gap", type=float, default=1e-4, help="relative MIP gap at which the solver stops")
+    c.add_argument("--deterministic", action="store_true",
+                   help="leave wall-clock times out of plan.json (byte-identical for equal inputs)")
     c.add_argument("--solver", default="HIGHS", choices=["HIGHS", "SCIP", "CBC", "CP_SAT"])
     c.add_argument("--coverage", action="store_true", help="list ops that fell back to replication")
     c.add_argument("-q", "--quiet", action="store_true", help="do not print the plan summary")

@@ -4,7 +4,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 import warnings
 
@@ -13,9 +15,8 @@ from torch import nn
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext, edge_moves, memory_breakdown, needs_grad, node_compute
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
-from autopar.errors import InfeasibleError
 from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.strategy import fmt_spec, local_shape
@@ -26,67 +27,102 @@ log = logging.getLogger("autopar")
 
 
 def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, memory: float | None = None,
-            optimizer: str = "adamw", time_limit_s: float = 60.0, solver: str = "HIGHS",
+            optimizer: str = "adamw", precision: str = "fp32", recompute: str = "auto", opt_level: int = 1,
+            time_limit_s: float = 60.0, relative_gap: float = 1e-4, solver: str = "HIGHS",
             source: str | None = None, parameter_placements: dict | None = None,
-            cluster_layers: bool = True, precision: str = "fp32", recompute: str = "auto") -> Plan:
+            cluster_layers: bool | None = None, deterministic: bool = False) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
-    last one is the target. ``memory`` is the per-device budget in bytes
-    (default: the cluster device's memory). ``parameter_placements`` pins
-    parameters ({fqn: ["S(0)", "R"]}), e.g. to keep the shards of a running model.
-    ``precision`` "bf16"/"fp16" prices mixed-precision training (compute-dtype
-    activations and GEMMs, fp32 master weights); the emitted program computes
-    in the model's own dtype. ``cluster_layers`` gives identical repeated layers one shared set of ILP
-    variables (passes/cluster.py); False solves every node on its own."""
-    timings = {}
-    t = time.perf_counter()
-    mesh = parse_mesh(mesh)
-    cluster = get_cluster(cluster)
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    graph = capture(model, example_inputs, loss_fn)
-    timings["capture_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
-    notes = _divisibility_warnings(graph, strategies, mesh)
-    timings["strategies_s"] = time.perf_counter() - t
-
-    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
-    budget = memory if memory is not None else cluster.device.memory
-    classes = layer_classes(graph) if cluster_layers else None
-    pinned = _pins(graph, strategies, parameter_placements or {}, classes)
-    solution, layers = _solve_with_recompute(graph, strategies, ctx, recompute, budget=budget,
-                                             time_limit_s=time_limit_s, backend=solver, pinned=pinned,
-                                             classes=classes)
-    timings["solve_s"] = time.perf_counter() - t - timings["strategies_s"]
-
-    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-    recomputed = nodes_of_layers(graph, {tuple(_split_layer(p)) for p in layers})
-    plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, recomputed)
+    last one is the target. ``memory``: per-device budget in bytes (default:
+    the device's memory). ``precision`` "bf16"/"fp16" prices mixed-precision
+    training (compute-dtype activations and GEMMs, fp32 master weights); the
+    emitted program computes in the model's own dtype. ``recompute``: "none",
+    "full" or "auto". ``opt_level`` 1 clusters repeated layers (one set of ILP
+    variables per layer class); 2 solves every node on its own where that is
+    tractable and tries partial recomputation too. ``parameter_placements``
+    pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
+    times out of the plan so that equal inputs give byte-identical plan.json."""
+    phases = _Phases()
+    with phases("capture"):
+        mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        graph = capture(model, example_inputs, loss_fn)
+    with phases("strategies"):
+        strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
+        notes = _divisibility_warnings(graph, strategies, mesh)
+    with phases("cluster"):
+        if opt_level not in (1, 2):
+            raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
+        if cluster_layers is None:
+            cluster_layers = opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
+        classes = layer_classes(graph) if cluster_layers else None
+        pinned = _pins(graph, strategies, parameter_placements or {}, classes)
+    with phases("solve"):
+        ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
+        budget = memory if memory is not None else cluster.device.memory
+        solution, layers = _solve_with_recompute(
+            graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
+            time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned)
+    with phases("plan"):
+        chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+        recomputed = nodes_of_layers(graph, {_split_layer(p) for p in layers})
+        plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, recomputed)
     plan.fallbacks = [vars(f) for f in fallbacks]
     plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
                              for f in fallbacks]
-    plan.solver["timings"] = timings
-    plan.recompute = {"mode": "full" if layers else "none", "layers": layers,
+    every = sum(map(len, layer_lists(graph).values()))
+    plan.recompute = {"mode": "none" if not layers else ("full" if len(layers) == every else "partial"),
+                      "layers": layers,
                       "candidates": solution.extra.pop("recompute_candidates")}
+    plan.solver.update(opt_level=opt_level, clustered=bool(classes), relative_gap=relative_gap)
+    if deterministic:
+        plan.solver["wall_s"] = None
+    else:
+        plan.solver["timings"] = phases.seconds
     return plan
+
+
+O2_MAX_UNCLUSTERED_NODES = 3000
+"""-O2 solves every node separately up to this graph size (a few seconds of HiGHS
+on this 2-core machine for a 2-D mesh); larger graphs stay clustered."""
+
+
+class _Phases:
+    """Times the compiler's named phases; says what it is doing once a compile
+    has taken more than a couple of seconds (or always, with logging at INFO)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        if t - self.start > 2.0 or log.isEnabledFor(logging.INFO):
+            print(f"autopar: {name} ... ({t - self.start:.1f} s so far)", file=sys.stderr, flush=True)
+        yield
+        self.seconds[f"{name}_s"] = time.perf_counter() - t
 
 
 RECOMPUTE = ("auto", "none", "full")
 
 
-def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, **options):
+def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, partial: bool = False,
+                          **options):
     """Solve once per recomputation option and keep the fastest plan that fits.
 
     Options: no recomputation, or full recomputation of every numbered layer
-    (Chen et al. 2016; Korthikanti et al. 2022 "full"). Returns the solution
-    and the recomputed layer paths."""
+    (Chen et al. 2016; Korthikanti et al. 2022 "full"); with ``partial`` also
+    the first half of each layer list. Returns the solution and the recomputed
+    layer paths."""
     if mode not in RECOMPUTE:
         raise AutoparError(f"recompute {mode!r} is not one of {RECOMPUTE}")
     lists = layer_lists(graph)
     layers = {(lst, i) for lst, idx in lists.items() for i in idx}
-    options_ = {"none": [set()], "full": [layers], "auto": [set(), layers] if layers else [set()]}[mode]
+    half = {(lst, i) for lst, idx in lists.items() for i in idx[: len(idx) // 2]}
+    auto = [set(), layers] + ([half] if partial and half and half != layers else [])
+    options_ = {"none": [set()], "full": [layers], "auto": auto if layers else [set()]}[mode]
     best, errors, candidates = None, [], []
     for chosen in options_:
         try:
@@ -94,9 +130,9 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
                         recomputed=nodes_of_layers(graph, chosen), **options)
         except InfeasibleError as e:
             errors.append(e)
-            candidates.append({"recompute": "full" if chosen else "none", "status": "INFEASIBLE"})
+            candidates.append({"recompute": _label(chosen, layers), "status": "INFEASIBLE"})
             continue
-        candidates.append({"recompute": "full" if chosen else "none", "status": sol.status,
+        candidates.append({"recompute": _label(chosen, layers), "status": sol.status,
                            "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})
         if best is None or sol.objective_s < best[0].objective_s:
             best = (sol, chosen)
@@ -105,6 +141,10 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     sol, chosen = best
     sol.extra["recompute_candidates"] = candidates
     return sol, [f"{lst}.{i}" for lst, i in sorted(chosen)]
+
+
+def _label(chosen: set, layers: set) -> str:
+    return "none" if not chosen else ("full" if chosen == layers else f"{len(chosen)} of {len(layers)} layers")
 
 
 def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None) -> dict:
@@ -147,7 +187,7 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
 
 def _split_layer(path: str) -> tuple:
     lst, _, i = path.rpartition(".")
-    return lst, int(i)
+    return (lst, int(i))
 
 
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,

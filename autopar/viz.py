@@ -142,14 +142,14 @@ svg text { font-family:inherit; }
 .node.diff rect.box { stroke:#cf222e; stroke-width:2.5; }
 .node .op { font-size:11px; font-weight:600; fill:#1f2328; }
 .node .spec { font-size:10px; fill:#24292f; }
-.module-group rect.frame { stroke:#8c959f; stroke-width:1; }
+rect.frame { stroke:#8c959f; stroke-width:1; }
 .module-group.collapsed rect.box { stroke:#57606a; stroke-width:1.2; fill:#f3f4f6; }
 .module-group .title { font-size:11px; font-weight:600; fill:#24292f; }
 .module-group .meta { font-size:10px; fill:#57606a; }
 .module-group .toggle { cursor:pointer; }
 .module-group .toggle:hover .title { fill:var(--accent); }
-.edge { fill:none; stroke:#8c959f; stroke-width:1; opacity:.8; }
-.edge.comm { stroke:#cf222e; stroke-width:2; opacity:.9; }
+.edge { fill:none; stroke:#8c959f; stroke-width:1; opacity:.8; pointer-events:none; }
+.edge.comm { stroke:#cf222e; stroke-width:2; opacity:.9; pointer-events:stroke; }
 .legend { display:flex; flex-wrap:wrap; gap:10px; font-size:11px; color:var(--muted); }
 .legend .sw { display:inline-block; width:11px; height:11px; border:1px solid #8c959f; vertical-align:-2px;
               margin-right:3px; }
@@ -426,10 +426,12 @@ function Graph(plan, idx, container, controls, diffNames) {
     container.textContent = "";
     const svg = sv("svg", {width: size.w, height: size.h, viewBox: `0 0 ${size.w} ${size.h}`, class: "graph-svg"},
                    container);
+    // layers, bottom to top: group frames, edges, group titles, boxes (so an edge never covers a title)
     const gFrames = sv("g", {class: "frames"}, svg);
     const gEdges = sv("g", {class: "edges"}, svg);
+    const gHeads = sv("g", {class: "heads"}, svg);
     const gBoxes = sv("g", {class: "boxes"}, svg);
-    drawGroup(tree.root, gFrames, gBoxes);
+    drawGroup(tree.root, {frames: gFrames, heads: gHeads, boxes: gBoxes});
     // edges between the visible boxes
     const drawn = {};
     for (const n of plan.nodes) {
@@ -460,15 +462,15 @@ function Graph(plan, idx, container, controls, diffNames) {
     }
   }
 
-  function drawGroup(g, gFrames, gBoxes) {
+  function drawGroup(g, layers) {
     if (g.parent) {
       const a = g._abs;
-      const grp = sv("g", {class: "module-group expanded", "data-path": g.path}, gFrames);
       const st = stageOf(g.path);
-      sv("rect", {class: "frame", x: a.x, y: a.y, width: a.w, height: a.h, rx: 6,
+      sv("rect", {class: "frame", "data-path": g.path, x: a.x, y: a.y, width: a.w, height: a.h, rx: 6,
                   fill: g.depth % 2 ? "#f6f8fa" : "#ffffff",
                   stroke: st !== null ? STAGE_COLORS[st % STAGE_COLORS.length] : "#8c959f",
-                  "stroke-width": st !== null ? 2 : 1}, grp);
+                  "stroke-width": st !== null ? 2 : 1}, layers.frames);
+      const grp = sv("g", {class: "module-group expanded", "data-path": g.path}, layers.heads);
       const tg = sv("g", {class: "toggle", role: "button", "aria-expanded": "true"}, grp);
       sv("rect", {x: a.x, y: a.y, width: a.w, height: HEAD, fill: "transparent"}, tg);
       sv("text", {class: "title", x: a.x + 8, y: a.y + 16}, tg,
@@ -476,9 +478,9 @@ function Graph(plan, idx, container, controls, diffNames) {
       tg.addEventListener("click", (e) => { e.stopPropagation(); expanded.delete(g.path); render(); });
     }
     for (const it of g._items) {
-      if (it.kind === "node") drawNode(it.n, gBoxes);
-      else if (expanded.has(it.g.path)) drawGroup(it.g, gFrames, gBoxes);
-      else drawCollapsed(it.g, gBoxes);
+      if (it.kind === "node") drawNode(it.n, layers.boxes);
+      else if (expanded.has(it.g.path)) drawGroup(it.g, layers);
+      else drawCollapsed(it.g, layers.boxes);
     }
   }
 
@@ -525,7 +527,7 @@ function Graph(plan, idx, container, controls, diffNames) {
       sv("rect", {class: "stripe", x: a.x + 4 + i * sw, y: a.y + a.h - 7, width: sw - 2, height: 4,
                   fill: placementColor(p), stroke: "#57606a", "stroke-width": 0.5}, g);
     });
-    const title = n.op === "param" ? n.location.split(".").slice(-2).join(".") :
+    const title = n.op === "param" || n.op === "buffer" ? n.location.split(".").slice(-2).join(".") :
       n.op === "input" ? (n.location || n.name) : n.op;
     sv("text", {class: "op", x: a.x + 6, y: a.y + 14}, g, clip(title, 24));
     sv("text", {class: "spec", x: a.x + 6, y: a.y + 27}, g, clip("\u2192 " + n.output_spec, 26));
