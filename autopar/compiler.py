@@ -14,7 +14,9 @@ from torch import nn
 
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
-from autopar.cost_models.graph_costs import CostContext, edge_moves, memory_breakdown, needs_grad, node_compute
+from autopar.cost_models.graph_costs import (
+    CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
+)
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
 from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers
@@ -218,6 +220,10 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             src_spec = chosen[src].output
             meta = graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, node.name in grad and src in grad)
+            kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
+            held = edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
+            memory["activations"] += held
+            nodes[-1].memory_bytes += held
             for phase, moves in (("forward", fwd), ("backward", bwd)):
                 for m in moves:
                     comm += m.seconds
@@ -242,7 +248,12 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                            "local_shape": list(local_shape(node.out.shape, spec, ms))})
     total_flops = _model_flops(graph, grad)
     step = compute + comm
-    peak = sum(memory.values())
+    # Activations are at their most at the end of the forward, before any
+    # gradient exists; gradients build up in backward as activations are freed,
+    # and the optimizer step adds its temporaries next to the gradients.
+    step_temp = optimizer_step_bytes(memory["parameters"], ctx)
+    peak = memory["parameters"] + memory["optimizer"] + memory["inputs"] + max(
+        memory["activations"], memory["gradients"] + step_temp)
     predicted = {
         "step_time_s": step, "compute_s": compute, "comm_s": comm, "bubble_s": 0.0,
         "peak_memory_bytes": peak, "memory": memory,

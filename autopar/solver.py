@@ -23,7 +23,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, edge_moves, needs_grad, node_compute, node_memory, seconds, splits,
+    CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, seconds, splits,
 )
 from autopar.cost_models.resharding import grad_spec
 from autopar.errors import InfeasibleError
@@ -109,8 +109,15 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 m = m if name in live_again else 0.0
             add(mem, x[r][i], m)
 
-    edges = Counter((rep[src], rep[node.name], idx)
-                    for node in graph.nodes.values() for idx, src in enumerate(node.inputs))
+    # Edges with the same representatives share variables; `kept` counts the
+    # copies whose resharded input stays alive for backward (not recomputed).
+    edges, kept = Counter(), Counter()
+    for node in graph.nodes.values():
+        for idx, src in enumerate(node.inputs):
+            key = (rep[src], rep[node.name], idx)
+            edges[key] += 1
+            if node.name not in recomputed or node.name in live_again:
+                kept[key] += 1
     for (src, dst, idx), times in edges.items():
         prod, cons = strategies[src], strategies[dst]
         meta = graph.nodes[src].outputs[0]
@@ -122,27 +129,32 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         for j, s in enumerate(cons):
             key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
             in_groups.setdefault(key, []).append((j, s))
-        cost = {}
+        cost, held = {}, {}
+        saved = dst in grad and kept[src, dst, idx] > 0
         for p in out_groups:
             for key, members in in_groups.items():
                 f, b = edge_moves(p, members[0][1], idx, meta, ctx, backward)
                 cost[p, key] = (seconds(f) + seconds(b)) * US * times
+                held[p, key] = edge_memory(p, key[0], meta, ctx, saved) * kept[src, dst, idx]
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
             for key, members in in_groups.items():
                 for j, _ in members:
                     add(objective, x[dst][j], cost[p0, key])
+                    add(mem, x[dst][j], held[p0, key])
             continue
         if len(in_groups) == 1:  # the consumer's input is fixed
             (k0,) = in_groups
             for p, members in out_groups.items():
                 for i in members:
                     add(objective, x[src][i], cost[p, k0])
+                    add(mem, x[src][i], held[p, k0])
             continue
         y = {}
         for (p, key), c in cost.items():
             y[p, key] = model.NumVar(0.0, 1.0, "")
             add(objective, y[p, key], c)
+            add(mem, y[p, key], held[p, key])
         for p, members in out_groups.items():
             row = model.Constraint(0, 0)
             for k in in_groups:

@@ -17,7 +17,7 @@ from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import AxisLinks, axis_links
 from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
-from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, transitions
+from autopar.cost_models.resharding import Move, as_sum, grad_spec, producer_grad_spec, transitions
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import Strategy, shard_factor
 
@@ -125,6 +125,17 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     return fwd, bwd
 
 
+_aten = torch.ops.aten
+VIEW_OPS = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.flatten.using_ints,
+    _aten.unflatten.int, _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default, _aten.expand.default,
+    _aten.transpose.int, _aten.permute.default, _aten.t.default, _aten.alias.default, _aten.detach.default,
+    _aten.slice.Tensor, _aten.select.int, _aten.narrow.default, _aten.split.Tensor,
+    _aten.split_with_sizes.default, _aten.chunk.default, _aten.unbind.int, operator.getitem,
+}
+"""Ops whose output shares its input's storage: they hold no memory of their own."""
+
+
 def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> dict:
     """Bytes per device this node holds over the step under strategy ``s``, by kind."""
     ms = ctx.mesh_shape
@@ -133,10 +144,20 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, backward: bool) 
         return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer).items()}
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
-    if node.kind is NodeKind.OP and backward and node.target is not operator.getitem:
+    if node.kind is NodeKind.OP and backward and node.target not in VIEW_OPS:
         # the output is kept for backward (an upper bound: some ops save less)
         return {"activations": sum(ctx.tensor_bytes(m) for m in node.outputs) / shard_factor(s.output, ms)}
     return {}
+
+
+def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext) -> float:
+    """Temporaries of one optimizer step: torch.optim's multi-tensor Adam/AdamW
+    computes sqrt(v) out of place, one fp32 tensor per parameter
+    (torch/optim/adam.py, _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs));
+    SGD updates in place."""
+    if OPTIMIZER_STATES[ctx.optimizer] < 2:
+        return 0.0
+    return param_bytes_local * 4 / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
 
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:
@@ -153,6 +174,14 @@ def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostC
         g_in = grad_spec(dst, splits(consumer, len(ctx.mesh_shape)))
         bwd = transitions(g_in, producer_grad_spec(src_spec), nbytes, ctx.mesh_shape, ctx.links)
     return fwd, bwd
+
+
+def edge_memory(src_spec: tuple, dst_spec: tuple, meta, ctx: CostContext, saved: bool) -> float:
+    """Bytes of the resharded copy a consumer keeps for backward (0 when the
+    consumer reads the producer's own tensor, or keeps nothing)."""
+    if not saved or as_sum(src_spec) == as_sum(dst_spec):
+        return 0.0
+    return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape)
 
 
 def seconds(moves: list[Move]) -> float:

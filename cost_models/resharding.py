@@ -31,7 +31,7 @@ class Move:
 def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links: list[AxisLinks]) -> list[Move]:
     """Collectives for src -> dst of a tensor of ``nbytes`` global bytes."""
     moves = []
-    src, dst = _as_sum(src), _as_sum(dst)
+    src, dst = as_sum(src), as_sum(dst)
     for axis, (a, b) in enumerate(zip(src, dst)):
         if a == b or mesh_shape[axis] == 1:
             continue
@@ -45,7 +45,7 @@ def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links:
     return moves
 
 
-def _as_sum(spec: tuple) -> tuple:
+def as_sum(spec: tuple) -> tuple:
     """A P(avg) runs as a Partial sum of scaled local values (autopar/spmd.py)."""
     return tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in spec)
 

@@ -31,3 +31,8 @@ def make(batch: int = 8, hidden: int = 64, d_in: int = 32, d_out: int = 16, laye
 def small(batch: int = 8):
     """FACTORY for the CLI: a 2-layer MLP 32 -> 64 -> 16."""
     return make(batch)
+
+
+def wide(batch: int = 64):
+    """FACTORY: a wider MLP (256 -> 1024 -> 256) whose plan shards its weights."""
+    return make(batch, hidden=1024, d_in=256, d_out=256)

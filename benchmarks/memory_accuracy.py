@@ -1,0 +1,65 @@
+"""Predicted vs measured peak memory per rank of emitted programs on this CPU.
+
+    torchrun --nproc-per-node 4 benchmarks/memory_accuracy.py
+
+Each rank runs 2 AdamW steps of the plan's program under autopar.memtrack
+(live tensor bytes: parameters, gradients, optimizer state, activations,
+collective outputs) and the peak is compared with plan.predicted.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import autopar  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.codegen import build_program, load_program, program_source  # noqa: E402
+from autopar.memtrack import LiveBytes  # noqa: E402
+from autopar.runtime import ParallelModule, init_distributed, load_factory  # noqa: E402
+
+CASES = [  # (factory, mesh, cluster)
+    ("examples/gpt.py:demo", "2x2", "dgx-a100"),
+    ("examples/gpt.py:demo", "4", "tests/fixtures/fastnet.json"),
+    ("examples/gpt.py:small", "2x2", "tests/fixtures/fastnet.json"),
+    ("examples/mlp.py:wide", "4", "dgx-a100"),
+]
+
+
+def measure(source, mesh, cluster):
+    model, inputs, loss_fn = load_factory(source)
+    plan = autopar.compile(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn)
+    device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
+    program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
+    pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    tracker = LiveBytes()
+    with tracker:
+        tracker.track(list(pmodel.parameters()))
+        for _ in range(2):
+            pmodel(*inputs).backward()
+            opt.step()
+            opt.zero_grad()
+    peak = torch.tensor([float(tracker.peak)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return plan.predicted["peak_memory_bytes"], peak.item()
+
+
+def main():
+    rows = [(s, m, c, *measure(s, m, c)) for s, m, c in CASES]
+    if dist.get_rank() == 0:
+        print(f"{'model':24} {'mesh':5} {'cluster':12} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+        errors = []
+        for s, m, c, pred, meas in rows:
+            errors.append(abs(pred / meas - 1))
+            print(f"{s:24} {m:5} {os.path.basename(c):12} {pred / 2**20:14.2f} {meas / 2**20:13.2f} "
+                  f"{pred / meas - 1:+7.1%}")
+        print(f"mean absolute error {sum(errors) / len(errors):.1%}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
