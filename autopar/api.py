@@ -49,9 +49,14 @@ def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=N
     device_mesh = init_distributed(mesh_.shape, mesh_.names)
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    graph = capture(model, example_inputs, loss_fn)
     if plan is None:
         plan = compile_plan(model, example_inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, **compile_options)
+    if plan.pipeline:
+        from autopar.pipeline_runtime import PipelinedModule, init_pipeline_mesh
+        if local_inputs:
+            raise AutoparError("local_inputs=True is not supported with a pipelined plan: pass the global batch")
+        return PipelinedModule(model, plan, loss_fn=loss_fn, device_mesh=init_pipeline_mesh(plan.mesh))
+    graph = capture(model, example_inputs, loss_fn)
     program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
     return ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh, local_inputs=local_inputs)
 

@@ -20,7 +20,8 @@ def _compile(args) -> int:
     plan = compile_plan(model, inputs, mesh=args.mesh, cluster=args.cluster, loss_fn=loss_fn, memory=memory,
                         optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
                         opt_level=args.opt_level, time_limit_s=args.time_limit, relative_gap=args.gap,
-                        solver=args.solver, source=args.source, deterministic=args.deterministic)
+                        solver=args.solver, source=args.source, deterministic=args.deterministic,
+                        pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     plan.save(args.output)
     if args.coverage:
@@ -39,6 +40,15 @@ def _compile(args) -> int:
             for c in plan.recompute.get("candidates", [])))
     print(f"plan written to {args.output}")
     return 0
+
+
+def _stages(text):
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise AutoparError(f"--pp {text!r}: give a number of pipeline stages or 'auto'") from None
 
 
 def _show(args) -> int:
@@ -61,7 +71,8 @@ def _codegen(args) -> int:
         raise AutoparError(f"{args.plan} does not name its model (compile it with `autopar compile FILE.py:FACTORY`)")
     model, inputs, loss_fn = load_factory(source)
     entry = write_program(plan, capture(model, inputs, loss_fn), args.output)
-    print(f"wrote {entry}, {os.path.join(args.output, 'rank_program.py')} and plan.json")
+    programs = "stage_<chunk>.py" if plan.pipeline else "rank_program.py"
+    print(f"wrote {entry}, {os.path.join(args.output, programs)} and plan.json")
     print(f"run it with: torchrun --nproc-per-node {plan.mesh.size} {entry} --check")
     return 0
 
@@ -109,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
     c.add_argument("-O", dest="opt_level", type=int, default=1, choices=[1, 2],
                    help="-O1: cluster repeated layers (seconds); -O2: wider search")
+    c.add_argument("--pp", help="pipeline stages (a number), or 'auto' to let the planner decide")
+    c.add_argument("--microbatches", type=int, help="pipeline microbatches (default: chosen by the planner)")
+    c.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], help="pipeline schedule")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     c.add_argument("--gap", type=float, default=1e-4, help="relative MIP gap at which the solver stops")
     c.add_argument("--deterministic", action="store_true",
@@ -137,17 +151,29 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2)
     v.add_argument("--random-plans", type=int, default=0)
     v.set_defaults(fn=_verify)
+    for name, (_, _, text) in OWN_PARSERS.items():
+        sub.add_parser(name, help=text, add_help=False)  # listed in --help; parsed by its own module
     return p
+
+
+# Commands that parse their own arguments: name -> (module, function, help).
+OWN_PARSERS = {
+    "estimate": ("autopar.cost_models.estimate_cli", "estimate_main",
+                 "price a hand-written GPT/Llama plan (tp, pp, dp, ...) with the cost model"),
+    "calibrate": ("autopar.cost_models.estimate_cli", "calibrate_main",
+                  "measure this machine and write a cluster profile"),
+    "viz": ("autopar.viz", "viz_main", "write a self-contained HTML view of one or two plans"),
+    "diff": ("autopar.plandiff", "diff_main", "compare two plans: placements and where the cost moves"),
+    "explain": ("autopar.explain", "explain_main", "why a node or parameter got its strategy"),
+}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "estimate":
-        from autopar.cost_models.estimate_cli import estimate_main
-        return estimate_main(argv[1:])
-    if argv and argv[0] == "calibrate":
-        from autopar.cost_models.estimate_cli import calibrate_main
-        return calibrate_main(argv[1:])
+    if argv and argv[0] in OWN_PARSERS:
+        import importlib
+        module, fn, _ = OWN_PARSERS[argv[0]]
+        return getattr(importlib.import_module(module), fn)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

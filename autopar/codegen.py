@@ -299,6 +299,15 @@ if __name__ == "__main__":
 '''
 
 
+PIPELINE_ENTRY = ENTRY.replace(
+    "from rank_program import RankProgram  # noqa: E402\n", "").replace(
+    "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
+    "    # the stage programs (stage_<chunk>.py here) are rebuilt from the model, exactly as written\n"
+    "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
+    "                                     plan=plan)\n").replace(
+    "The model comes from", "Pipelined: each stage's program is in stage_<chunk>.py. The model comes from")
+
+
 def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
     """Write rank_program.py, plan.json and train.py into ``out_dir``; return train.py's path."""
     source = plan.model.get("source")
@@ -306,12 +315,21 @@ def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
         raise PlanError("the plan does not name its model source (FILE.py:FACTORY); compile it with the CLI "
                         "or pass source= to autopar.compile so that codegen can rebuild the model")
     os.makedirs(out_dir, exist_ok=True)
-    gm = build_program(graph, plan)
-    with open(os.path.join(out_dir, "rank_program.py"), "w") as f:
-        f.write(program_source(gm, plan))
+    path, factory = source.rsplit(":", 1)
+    template = ENTRY
+    if plan.pipeline:
+        from autopar.pipeline_runtime import stage_sources
+        from autopar.runtime import load_factory
+        model, _, loss_fn = load_factory(source)
+        for chunk, text in stage_sources(model, plan, loss_fn).items():
+            with open(os.path.join(out_dir, f"stage_{chunk}.py"), "w") as f:
+                f.write(text)
+        template = PIPELINE_ENTRY
+    else:
+        with open(os.path.join(out_dir, "rank_program.py"), "w") as f:
+            f.write(program_source(build_program(graph, plan), plan))
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
     with open(entry, "w") as f:
-        f.write(ENTRY.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(source.rsplit(":", 1)[0])
-                             + ":" + source.rsplit(":", 1)[1]))
+        f.write(template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
     return entry

@@ -32,7 +32,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             optimizer: str = "adamw", precision: str = "fp32", recompute: str = "auto", opt_level: int = 1,
             time_limit_s: float = 60.0, relative_gap: float = 1e-4, solver: str = "HIGHS",
             source: str | None = None, parameter_placements: dict | None = None,
-            cluster_layers: bool | None = None, deterministic: bool = False) -> Plan:
+            cluster_layers: bool | None = None, deterministic: bool = False,
+            pipeline_stages: int | str | None = None, microbatches: int | None = None,
+            schedule: str | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
@@ -44,7 +46,23 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     variables per layer class); 2 solves every node on its own where that is
     tractable and tries partial recomputation too. ``parameter_placements``
     pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
-    times out of the plan so that equal inputs give byte-identical plan.json."""
+    times out of the plan so that equal inputs give byte-identical plan.json.
+
+    Pipeline parallelism (autopar/pipeline.py): a mesh with a ``pp`` axis, or
+    ``pipeline_stages=N``, pipelines with that many stages; ``pipeline_stages=
+    "auto"`` lets the planner factor the devices into pp x dp x tp and pipeline
+    only where it pays. ``microbatches`` and ``schedule`` ("gpipe", "1f1b",
+    "interleaved-1f1b") pin those choices."""
+    if pipeline_stages is not None or microbatches is not None or schedule is not None \
+            or "pp" in parse_mesh(mesh).names:
+        from autopar.pipeline import compile_pipelined
+        if parameter_placements:
+            raise AutoparError("parameter_placements cannot be pinned in a pipelined plan")
+        return compile_pipelined(
+            model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
+            stages=None if pipeline_stages == "auto" else pipeline_stages, microbatches=microbatches,
+            schedule=schedule, memory=memory, recompute={"auto": None, "none": False, "full": True}[recompute],
+            optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source)
     phases = _Phases()
     with phases("capture"):
         mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
@@ -77,7 +95,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     plan.recompute = {"mode": "none" if not layers else ("full" if len(layers) == every else "partial"),
                       "layers": layers,
                       "candidates": solution.extra.pop("recompute_candidates")}
-    plan.solver.update(opt_level=opt_level, clustered=bool(classes), relative_gap=relative_gap)
+    plan.solver.update(opt_level=opt_level, clustered=bool(classes), relative_gap=relative_gap,
+                       memory_budget_bytes=budget)
+    plan.predicted["optimizer"] = optimizer
     if deterministic:
         plan.solver["wall_s"] = None
     else:

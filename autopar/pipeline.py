@@ -18,24 +18,27 @@ The steps, in order:
    skip connections, which intermediate stages relay. Ops that depend on no
    parameter (``arange``, views of the target) are *floating*: each stage that
    needs them recomputes them, and the user inputs reach every stage directly.
-2. **Price** (``profile``). The intra-operator ILP (autopar/solver.py) is solved
-   once per stage submesh shape and microbatch size on the whole microbatch
-   graph; each layer's cost is the sum over its nodes of compute (forward,
-   backward) and activation resharding, its gradient synchronisation (once per
-   step), its parameter/optimizer bytes and saved activations. This is an
-   approximation: the ILP does not know where the cuts fall (at a cut the
-   tensor is made replicated, sent, and resharded on the other side, which
-   ``Cut`` prices) and it counts gradient synchronisation once per microbatch.
-   Large models with a repeated container are priced on a copy truncated to
-   two layers and the block costs are reused for every layer.
+2. **Price** (``profile``). The intra-operator ILP (autopar/solver.py, identical
+   layers sharing variables) is solved once per stage submesh shape and
+   microbatch size on the whole microbatch graph; each layer's cost is the sum
+   over its nodes of compute (forward, backward) and activation resharding,
+   its gradient synchronisation (once per step), its parameter, gradient and
+   optimizer bytes and saved activations (graph_costs.memory_breakdown). This
+   is an approximation: the ILP does not know where the cuts fall (at a cut
+   the tensor is made replicated, sent, and resharded on the other side,
+   which ``Cut`` prices) and it weighs gradient synchronisation once per
+   microbatch. When the planner factors the world, a model with many
+   identical layers is priced on a copy truncated to two of them (checked
+   against a three-layer copy) and their costs are reused for every layer.
 3. **Stages** (``partition``). A dynamic program over contiguous layer ranges
    minimises the slowest stage's time per microbatch (compute, resharding,
    point-to-point transfers of the crossing tensors on the pp axis) subject
-   to each stage's memory: parameters, gradients and optimizer states plus
+   to each stage's memory: parameters, optimizer states and gradients plus
    the activations of the microbatches it holds (1F1B: stage s holds
    min(m, p - s), GPipe all m, interleaved a factor 1 + (p-1)/(p v) more);
-   with full recomputation a layer keeps only its input and one layer's
-   activations are live at a time.
+   with full recomputation a numbered layer (``blocks.3``) keeps only its
+   inputs and one such layer's activations are live at a time, as
+   autopar/codegen.py checkpoints them.
 4. **Step time**: (m + (p - 1)/v) x slowest stage (the bubble is (p-1)/m of
    the work, (p-1)/(v m) interleaved) plus the exposed gradient
    synchronisation of the slowest stage.
@@ -43,10 +46,7 @@ The steps, in order:
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
-import math
-import operator
 import time
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
@@ -60,11 +60,13 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
-    CostContext, _dtype_name, edge_moves, needs_grad, node_compute, node_memory, op_flops,
+    CostContext, _dtype_name, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, node_memory,
+    op_flops, optimizer_step_bytes,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh, parse_mesh
+from autopar.passes.cluster import layer_classes
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import fmt_spec, local_shape, parse_spec, shard_factor
@@ -79,14 +81,17 @@ MARGIN = 0.05
 """Pipelining must predict a step at least this much faster than the best
 non-pipelined plan to be chosen: a pipeline adds memory imbalance, schedule
 complexity and point-to-point traffic the model prices only roughly."""
-REPEAT_THRESHOLD = 4
-"""Above this many repeated layers the model is priced on a two-layer copy."""
+REPEAT_THRESHOLD = 8
+"""Above this many repeated layers the planner (when it factors the world) prices the model on
+a two-layer copy."""
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 """Model chunks per device tried for the interleaved schedule."""
 MICROBATCH_PER_DP_RANK = (1, 2)
 """Sequences per data-parallel rank per microbatch tried when the planner
 factors the world (Megatron-LM uses 1-2, Narayanan et al. SC'21)."""
 MAX_MICROBATCH_CANDIDATES = 4
+"""With a given pp axis and no pinned count, the smallest divisors of the batch
+that are >= p are tried as microbatch counts (each costs a capture and an ILP)."""
 
 
 class Schedule(str, Enum):
@@ -241,18 +246,26 @@ class LayerCost:
     """Activation resharding, forward and backward."""
     sync_s: float = 0.0
     """Gradient synchronisation over the submesh (once per step)."""
-    state_bytes: float = 0.0
-    """Parameters, gradients and optimizer states."""
+    param_bytes: float = 0.0
     grad_bytes: float = 0.0
-    """Local gradient bytes (what data parallelism outside the submesh all-reduces)."""
+    """Gradients (also what data parallelism outside the submesh all-reduces)."""
+    optimizer_bytes: float = 0.0
+    """Optimizer states (and fp32 master weights under mixed precision)."""
     act_bytes: float = 0.0
-    """Activations saved for backward."""
+    """Activations saved for backward, and resharded copies kept for it."""
     flops: float = 0.0
     """Model FLOPs (matmuls, forward and backward) of the whole microbatch."""
+    recomputable: bool = False
+    """A numbered layer (``blocks.3``): full recomputation keeps only its inputs
+    (what codegen checkpoints: autopar/codegen.py, ``plan.recompute``)."""
 
     @property
     def time_s(self) -> float:
         return self.fwd_s + self.bwd_s + self.comm_s
+
+    @property
+    def state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
 @dataclass
@@ -260,7 +273,7 @@ class Cut:
     """The boundary before a layer, for one microbatch."""
 
     nbytes: float = 0.0
-    """Full bytes of the crossing tensors (each device of the sending stage sends them replicated)."""
+    """Bytes of the crossing tensors (each device of the sending stage sends them whole)."""
     held_bytes: float = 0.0
     """Local bytes of the crossing tensors (what a recomputed layer keeps)."""
     to_replicated_s: float = 0.0
@@ -272,7 +285,7 @@ class Cut:
     tensors: int = 0
 
 
-_NUMERIC_LAYER = [f.name for f in fields(LayerCost) if f.name != "name"]
+_NUMERIC_LAYER = [f.name for f in fields(LayerCost) if f.name not in ("name", "recomputable")]
 _NUMERIC_CUT = [f.name for f in fields(Cut)]
 
 
@@ -287,7 +300,7 @@ class Profile:
     microbatch: int
     """Sequences per microbatch on this submesh."""
     graph: Graph | None = None
-    """The captured microbatch graph (None when priced by repetition)."""
+    """The captured microbatch graph (of the truncated copy when priced by repetition)."""
     grouping: Layers | None = None
     chosen: dict | None = None
     """Node name -> Strategy on the submesh (for ``graph``)."""
@@ -297,6 +310,8 @@ class Profile:
     """(container, layers in the model, layers captured) when priced on a truncated copy."""
     fallbacks: list = field(default_factory=list)
     dtype: str = "fp32"
+    """Compute dtype of the peak FLOP/s (for MFU)."""
+    ctx: CostContext | None = None
 
     @property
     def names(self) -> list:
@@ -311,20 +326,23 @@ class Profile:
         k = (microbatch - self.microbatch) / (other.microbatch - self.microbatch)
 
         def mix(a, b, names):
-            kwargs = {n: max(0.0, getattr(a, n) + k * (getattr(b, n) - getattr(a, n))) for n in names}
-            return kwargs
+            return {n: max(0.0, getattr(a, n) + k * (getattr(b, n) - getattr(a, n))) for n in names}
 
-        layers = [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER)) for a, b in zip(self.layers, other.layers)]
+        layers = [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
+                  for a, b in zip(self.layers, other.layers)]
         cuts = [Cut(**mix(a, b, _NUMERIC_CUT)) for a, b in zip(self.cuts, other.cuts)]
-        return replace(self, layers=layers, cuts=cuts, microbatch=microbatch, graph=None, chosen=None)
+        return replace(self, layers=layers, cuts=cuts, microbatch=microbatch)
 
 
-def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, time_limit_s: float, solver: str):
-    """The intra-operator ILP on the stage submesh, with no memory row (memory
-    is checked per stage by the pipeline search). Mirrors autopar.compile's steps."""
+def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision: str, time_limit_s: float,
+                 solver: str):
+    """The intra-operator ILP on the stage submesh, identical layers sharing
+    variables (passes/cluster.py), with no memory row: memory is checked per
+    stage by the pipeline search. Mirrors autopar.compile's steps."""
     strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
-    ctx = CostContext.make(submesh.shape, cluster, optimizer)
-    solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver)
+    ctx = CostContext.make(submesh.shape, cluster, optimizer, precision)
+    solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
+                     classes=layer_classes(graph))
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
     return chosen, strategies, solution, ctx, fallbacks
 
@@ -332,7 +350,8 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, time_limi
 def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
     grad = needs_grad(graph)
     ms = ctx.mesh_shape
-    costs = [LayerCost(name) for name in layers.names]
+    costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
+             for name in layers.names]
     for node in graph.nodes.values():
         s = chosen[node.name]
         lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
@@ -340,24 +359,24 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         f, b = node_compute(node, s, ctx, backward)
         lc.fwd_s += f
         lc.bwd_s += b
-        mem = node_memory(node, s, ctx, backward)
-        if node.kind is NodeKind.PARAM:
-            lc.state_bytes += mem
-            lc.grad_bytes += node.out.nbytes / shard_factor(s.output, ms)
-        elif node.kind is NodeKind.OP:
-            lc.act_bytes += mem
-            rule = get_rule(node.target) if node.info is not None else None
+        parts = memory_breakdown(node, s, ctx, backward)
+        lc.param_bytes += parts.get("parameters", 0.0)
+        lc.grad_bytes += parts.get("gradients", 0.0)
+        lc.optimizer_bytes += parts.get("optimizer", 0.0)
+        lc.act_bytes += parts.get("activations", 0.0)
+        if node.kind is NodeKind.OP and node.info is not None:
+            rule = get_rule(node.target)
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if backward else 1)
         for idx, src in enumerate(node.inputs):
             meta = graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
-            sync = graph.nodes[src].kind is NodeKind.PARAM
-            for m in (*fwd, *bwd):
-                if sync and m in bwd:
-                    lc.sync_s += m.seconds
-                else:
-                    lc.comm_s += m.seconds
+            lc.act_bytes += edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward)
+            lc.comm_s += sum(mv.seconds for mv in fwd)
+            if graph.nodes[src].kind is NodeKind.PARAM:
+                lc.sync_s += sum(mv.seconds for mv in bwd)
+            else:
+                lc.comm_s += sum(mv.seconds for mv in bwd)
     cuts = [Cut() for _ in range(layers.n)]
     replicated = tuple(Replicate() for _ in ms)
     for c in range(1, layers.n):
@@ -365,11 +384,12 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         for name in layers.crossing[c]:
             spec = chosen[name].output
             meta = graph.nodes[name].out
+            nbytes = ctx.tensor_bytes(meta)
             cut.tensors += 1
-            cut.nbytes += meta.nbytes
-            cut.held_bytes += meta.nbytes / shard_factor(spec, ms)
-            cut.to_replicated_s += sum(m.seconds for m in transitions(spec, replicated, meta.nbytes, ms, ctx.links))
-            t = collective_time(Collective.SEND_RECV, meta.nbytes, pp_link) if pp_link is not None else 0.0
+            cut.nbytes += nbytes
+            cut.held_bytes += nbytes / shard_factor(spec, ms)
+            cut.to_replicated_s += sum(m.seconds for m in transitions(spec, replicated, nbytes, ms, ctx.links))
+            t = collective_time(Collective.SEND_RECV, nbytes, pp_link) if pp_link is not None else 0.0
             cut.p2p_fwd_s += t
             if name in grad and meta.dtype.is_floating_point:
                 cut.p2p_bwd_s += t
@@ -445,46 +465,89 @@ def _expand(costs: list, cuts: list, layers: Layers, total: int) -> tuple[list, 
 
 
 def profile(model: nn.Module, example_inputs: tuple, loss_fn, submesh: Mesh, cluster, *, microbatch: int,
-            pp_link=None, optimizer: str = "adamw", time_limit_s: float = 60.0, solver: str = "HIGHS",
-            reuse_layers: bool | None = None, graph_cache: dict | None = None) -> Profile:
-    """Per-layer costs at ``microbatch`` sequences on ``submesh`` (see the module docstring)."""
+            pp_link=None, optimizer: str = "adamw", precision: str = "fp32", time_limit_s: float = 60.0,
+            solver: str = "HIGHS", reuse_layers: bool = False, graph_cache: dict | None = None) -> Profile:
+    """Per-layer costs at ``microbatch`` sequences on ``submesh`` (see the module docstring).
+    ``reuse_layers``: price a model with many identical layers on a two-layer copy."""
     cluster = get_cluster(cluster)
     graph_cache = graph_cache if graph_cache is not None else {}
     key = ("graph", microbatch)
     if key not in graph_cache:
-        graph_cache[key] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch, reuse_layers)
+        graph_cache[key] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch, reuse_layers,
+                                                graph_cache)
     graph, layers, repeated = graph_cache[key]
-    chosen, strategies, solution, ctx, fallbacks = _solve_intra(graph, submesh, cluster, optimizer, time_limit_s,
-                                                                solver)
+    chosen, strategies, solution, ctx, fallbacks = _solve_intra(graph, submesh, cluster, optimizer, precision,
+                                                                time_limit_s, solver)
     costs, cuts = _price(graph, layers, chosen, ctx, pp_link)
     forbidden = set(layers.forbidden)
     if repeated:
         costs, cuts, forbidden = _expand(costs, cuts, layers, repeated[1])
-    dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
-    dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
-    return Profile(costs, cuts, forbidden, submesh, microbatch, None if repeated else graph,
-                   layers, chosen, strategies, solution, repeated, fallbacks, dtype)
+    if precision != "fp32":
+        dtype = precision
+    else:
+        dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
+        dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+    return Profile(costs, cuts, forbidden, submesh, microbatch, graph, layers, chosen, strategies, solution,
+                   repeated, fallbacks, dtype, ctx)
 
 
-def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool | None):
+def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool, cache: dict):
     inputs = _microbatch_inputs(example_inputs, microbatch)
-    if reuse_layers is not False:
+    if reuse_layers and cache.get("repeats", True):
         container = _container_of_model(model)
         mod = _repeated_container(model, container)
         if mod is not None:
             try:
-                graph = capture(_truncated(model, container, 2), inputs, loss_fn)
-                layers = group_layers(graph)
-                if layers.container == container:
-                    return graph, layers, (container, len(mod), 2)
+                two = capture(_truncated(model, container, 2), inputs, loss_fn)
+                l2 = group_layers(two)
+                if "repeats" not in cache:  # checked once, at the first microbatch size
+                    three = capture(_truncated(model, container, 3), inputs, loss_fn)
+                    cache["repeats"] = _repeats(two, l2, three, group_layers(three), container)
+                if cache["repeats"]:
+                    return two, l2, (container, len(mod), 2)
+                log.info("autopar: %s layers do not repeat uniformly; capturing the whole model", container)
             except AutoparError as e:
+                cache["repeats"] = False
                 log.info("autopar: pricing %s on a truncated copy failed (%s); capturing it whole", container, e)
     graph = capture(model, inputs, loss_fn)
     return graph, group_layers(graph), None
 
 
+def _repeats(two: Graph, l2: Layers, three: Graph, l3: Layers, container: str) -> bool:
+    """Whether copies truncated to 2 and 3 layers agree on everything repetition
+    pricing assumes: the same layers around the repeated ones, the same ops in
+    every repeated layer, and the same tensors (shapes, dtypes) across the
+    cuts before, between and after them."""
+    if l2.container != container or l3.container != container:
+        return False
+    reps2 = [i for i, nm in enumerate(l2.names) if nm.startswith(container + ".")]
+    reps3 = [i for i, nm in enumerate(l3.names) if nm.startswith(container + ".")]
+    if len(reps2) != 2 or len(reps3) != 3 or reps2[0] != reps3[0]:
+        return False
+    a = reps2[0]
+    if l2.names[:a] != l3.names[:a] or l2.names[a + 2:] != l3.names[a + 3:]:
+        return False
+
+    def ops(graph, layers, g):
+        return [graph.nodes[n].op_name for n in graph.nodes
+                if layers.group.get(n) == g and graph.nodes[n].kind is NodeKind.OP]
+
+    def cut(graph, layers, c):
+        return sorted((graph.nodes[n].out.shape, str(graph.nodes[n].out.dtype)) for n in layers.crossing[c]) \
+            if 0 < c < layers.n else []
+
+    block = ops(two, l2, a + 1)
+    if any(ops(three, l3, g) != block for g in (a + 1, a + 2)) or ops(two, l2, a) != ops(three, l3, a):
+        return False
+    if cut(three, l3, a + 1) != cut(two, l2, a + 1) or cut(three, l3, a + 2) != cut(two, l2, a + 1):
+        return False
+    if cut(three, l3, a + 3) != cut(two, l2, a + 2):
+        return False
+    return all(cut(three, l3, c) == cut(two, l2, c) for c in range(1, a + 1))
+
+
 def _container_of_model(model: nn.Module) -> str | None:
-    """The largest ModuleList/Sequential of identical children (by parameter count)."""
+    """The longest ModuleList/Sequential in the model (candidate for repetition pricing)."""
     best = None
     for name, mod in model.named_modules():
         if name and isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > REPEAT_THRESHOLD:
@@ -518,6 +581,8 @@ class Candidate:
     """Per pp rank, seconds per microbatch (all its chunks)."""
     device_memory: list
     """Per pp rank, bytes per device."""
+    device_memory_parts: list
+    """Per pp rank: parameters, gradients, optimizer and activations bytes."""
     step_s: float
     compute_s: float
     comm_s: float
@@ -525,6 +590,8 @@ class Candidate:
     sync_s: float
     flops: float
     """Model FLOPs per step."""
+    profile: Profile | None = field(default=None, repr=False)
+    """The layer costs it was priced with."""
 
     @property
     def memory_bytes(self) -> float:
@@ -547,20 +614,44 @@ def _in_flight(schedule: Schedule, p: int, m: int, v: int, rank: int) -> float:
     return held
 
 
+def _layer_arrays(prof: Profile, recompute: bool):
+    """Per layer: time per microbatch, state bytes, activation bytes kept per
+    microbatch in flight, and the working set of a recomputed layer."""
+    L, C = prof.layers, prof.cuts
+    rc = [recompute and lc.recomputable for lc in L]
+    t = np.array([lc.time_s + (lc.fwd_s if r else 0.0) for lc, r in zip(L, rc)])
+    state = np.array([lc.param_bytes + lc.optimizer_bytes for lc in L])
+    grads = np.array([lc.grad_bytes for lc in L])
+    kept = np.array([(C[i].held_bytes if i > 0 else 0.0) if r else lc.act_bytes for i, (lc, r) in enumerate(zip(L, rc))])
+    work = np.array([lc.act_bytes if r else 0.0 for lc, r in zip(L, rc)])
+    return t, state, grads, kept, work
+
+
+def _step_temp(prof: Profile, param_bytes: float) -> float:
+    return optimizer_step_bytes(param_bytes, prof.ctx) if prof.ctx is not None else 0.0
+
+
+def _device_memory(state, grads, acts, temp, p: int) -> float:
+    """Peak bytes of a device: parameters and optimizer states always; with one
+    stage the activations are freed as gradients build up (autopar.compile's
+    rule); in a pipeline gradients coexist with the microbatches in flight."""
+    if p == 1:
+        return state + np.maximum(acts, grads + temp)
+    return state + grads + np.maximum(acts, temp)
+
+
 def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool,
               budget: float) -> list | None:
     """Contiguous layer ranges for ``chunks`` chunks minimising the slowest
-    chunk's time per microbatch, each chunk inside its memory share; None if
-    no partition fits."""
+    chunk's time per microbatch, each chunk inside its share of the memory
+    budget (budget / v: a device holds v chunks); None if none fits."""
     n = len(prof.layers)
     if chunks > n:
         return None
-    L, C = prof.layers, prof.cuts
-    t = np.array([lc.time_s + (lc.fwd_s if recompute else 0.0) for lc in L])
-    state = np.array([lc.state_bytes for lc in L])
-    act = np.array([lc.act_bytes for lc in L])
-    held = np.array([C[i].held_bytes if i > 0 else 0.0 for i in range(n)])
-    pt, ps, pa, ph = (np.concatenate([[0.0], np.cumsum(x)]) for x in (t, state, act, held))
+    C = prof.cuts
+    t, state, grads, kept, work = _layer_arrays(prof, recompute)
+    params = np.array([lc.param_bytes for lc in prof.layers])
+    pt, ps, pg, pk, pp_ = (np.concatenate([[0.0], np.cumsum(x)]) for x in (t, state, grads, kept, params))
     p2p_in = np.array([C[i].p2p_fwd_s if 0 < i < n else 0.0 for i in range(n + 1)])
     out = np.array([C[j].p2p_bwd_s + C[j].to_replicated_s if 0 < j < n else 0.0 for j in range(n + 1)])
     i_idx = np.arange(n + 1)[:, None]
@@ -568,15 +659,13 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     valid = i_idx < j_idx
     T = np.where(valid, pt[None, :] - pt[:, None] + p2p_in[:, None] + out[None, :], np.inf)
     S = ps[None, :] - ps[:, None]
+    G = pg[None, :] - pg[:, None]
+    K = pk[None, :] - pk[:, None]
+    temp = _step_temp(prof, 1.0) * (pp_[None, :] - pp_[:, None])  # optimizer-step temporaries
+    W = np.zeros((n + 1, n + 1))
     if recompute:
-        run_max = np.full((n + 1, n + 1), 0.0)
         for i in range(n):
-            run_max[i, i + 1:] = np.maximum.accumulate(act[i:])
-        A = ph[None, :] - ph[:, None] + run_max  # inputs kept per microbatch + one layer live
-        working = run_max
-    else:
-        A = pa[None, :] - pa[:, None]
-        working = np.zeros_like(A)
+            W[i, i + 1:] = np.maximum.accumulate(work[i:])
     allowed = np.ones(n + 1, bool)
     for c in prof.forbidden:
         if 0 < c < n:
@@ -586,12 +675,8 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     F[0] = 0.0
     back = []
     for k in range(chunks):
-        rank = k % p
-        inflight = _in_flight(schedule, p, m, v, rank)
-        if recompute:
-            mem = S + inflight * (A - working) + working
-        else:
-            mem = S + inflight * A
+        acts = _in_flight(schedule, p, m, v, k % p) * K + W
+        mem = _device_memory(S, G, acts, temp, p)
         cost = np.where(valid & (mem <= share), T, np.inf)
         if k > 0:
             cost = np.where(allowed[:, None], cost, np.inf)
@@ -610,7 +695,8 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
 
 def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool, budget: float,
              dp: int = 1, dp_link=None, ranges: list | None = None) -> Candidate | None:
-    """Partition (unless ``ranges`` is given) and price one configuration."""
+    """Partition (unless ``ranges`` is given) and price one configuration; None
+    if it does not fit in ``budget`` bytes per device."""
     schedule = Schedule(schedule)
     chunks = p * v
     if ranges is None:
@@ -619,51 +705,45 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
             return None
     L, C = prof.layers, prof.cuts
     n = len(L)
-    chunk_time, chunk_compute, chunk_state, chunk_act, chunk_work, chunk_sync, chunk_grad = [], [], [], [], [], [], []
-    for i, j in ranges:
-        layer = L[i:j]
-        compute = sum(lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute else 0.0) for lc in layer)
-        comm = sum(lc.comm_s for lc in layer)
-        comm += (C[i].p2p_fwd_s if i > 0 else 0.0) + (C[j].p2p_bwd_s + C[j].to_replicated_s if j < n else 0.0)
-        chunk_time.append(compute + comm)
-        chunk_compute.append(compute)
-        chunk_state.append(sum(lc.state_bytes for lc in layer))
-        if recompute:
-            work = max(lc.act_bytes for lc in layer)
-            chunk_act.append(sum(C[k].held_bytes for k in range(i, j) if k > 0))
-            chunk_work.append(work)
-        else:
-            chunk_act.append(sum(lc.act_bytes for lc in layer))
-            chunk_work.append(0.0)
-        chunk_sync.append(sum(lc.sync_s for lc in layer))
-        chunk_grad.append(sum(lc.grad_bytes for lc in layer))
-    dev_time = [0.0] * p
-    dev_compute = [0.0] * p
-    dev_mem = [0.0] * p
-    dev_sync = [0.0] * p
-    dev_grad = [0.0] * p
-    for c in range(chunks):
+    t, state, grads, kept, work = _layer_arrays(prof, recompute)
+    params = np.array([lc.param_bytes for lc in L])
+    compute_of = np.array([lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute and lc.recomputable else 0.0) for lc in L])
+    chunk_time = []
+    dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, acts=0.0, work=0.0, sync=0.0)
+           for _ in range(p)]
+    for c, (i, j) in enumerate(ranges):
         r = c % p
-        dev_time[r] += chunk_time[c]
-        dev_compute[r] += chunk_compute[c]
-        dev_mem[r] += chunk_state[c] + _in_flight(schedule, p, m, v, r) * chunk_act[c]
-        dev_sync[r] += chunk_sync[c]
-        dev_grad[r] += chunk_grad[c]
-    for r in range(p):
-        dev_mem[r] += max(chunk_work[c] for c in range(r, chunks, p))
+        comm = (C[i].p2p_fwd_s if i > 0 else 0.0) + (C[j].p2p_bwd_s + C[j].to_replicated_s if j < n else 0.0)
+        chunk_time.append(float(t[i:j].sum()) + comm)
+        d = dev[r]
+        d["time"] += chunk_time[-1]
+        d["compute"] += float(compute_of[i:j].sum())
+        d["state"] += float(state[i:j].sum())
+        d["grads"] += float(grads[i:j].sum())
+        d["params"] += float(params[i:j].sum())
+        d["acts"] += _in_flight(schedule, p, m, v, r) * float(kept[i:j].sum())
+        d["work"] = max(d["work"], float(work[i:j].max()))
+        d["sync"] += sum(lc.sync_s for lc in L[i:j])
+    memory, parts = [], []
+    for d in dev:
         if dp > 1 and dp_link is not None:
-            dev_sync[r] += collective_time(Collective.ALL_REDUCE, dev_grad[r], dp_link)
-    if max(dev_mem) > budget:
+            d["sync"] += collective_time(Collective.ALL_REDUCE, d["grads"], dp_link)
+        acts = d["acts"] + d["work"]
+        temp = _step_temp(prof, d["params"])
+        memory.append(float(_device_memory(d["state"], d["grads"], acts, temp, p)))
+        parts.append({"parameters": d["params"], "gradients": d["grads"], "optimizer": d["state"] - d["params"],
+                      "activations": acts, "inputs": 0.0, "optimizer_step": temp})
+    if max(memory) > budget:
         return None
-    slow = max(range(p), key=lambda r: dev_time[r])
-    per_mb = dev_time[slow]
+    slow = max(range(p), key=lambda r: dev[r]["time"])
+    per_mb = dev[slow]["time"]
     bubble = (p - 1) / v * per_mb
-    sync = max(dev_sync)
+    sync = max(d["sync"] for d in dev)
     step = m * per_mb + bubble + sync
     flops = m * dp * sum(lc.flops for lc in L)
     return Candidate(p, tuple(prof.submesh.shape), dp, m, prof.microbatch, schedule, v, recompute, list(ranges),
-                     chunk_time, dev_time, dev_mem, step, m * dev_compute[slow],
-                     m * (per_mb - dev_compute[slow]) + sync, bubble, sync, flops)
+                     chunk_time, [d["time"] for d in dev], memory, parts, step, m * dev[slow]["compute"],
+                     m * (per_mb - dev[slow]["compute"]) + sync, bubble, sync, flops, prof)
 
 
 def _schedules(schedule, p: int, m: int, n: int) -> list:
@@ -710,9 +790,9 @@ class PipelineSearch:
     feasible: int
     layers: list
     repeated: tuple | None
+    """(container, layers, layers captured) when priced by repetition."""
     wall_s: float
     margin: float = MARGIN
-    profiles: dict = field(default_factory=dict, repr=False)
 
     @property
     def pipeline(self) -> bool:
@@ -723,17 +803,17 @@ class PipelineSearch:
         return self.pipelined if self.pipeline else self.flat
 
     def mesh(self, cand: Candidate | None = None) -> Mesh:
-        """The mesh of a candidate: pp x dp x tp (axes of size 1 dropped, one kept)."""
+        """A candidate's mesh, pp x dp x tp (axes of size 1 dropped, at least one kept)."""
         c = cand or self.best
         axes = [(PP_AXIS, c.stages), ("dp", c.dp), ("tp", c.submesh[-1])]
         kept = [(n, s) for n, s in axes if s > 1] or [("tp", 1)]
         return Mesh(tuple(s for _, s in kept), tuple(n for n, _ in kept))
 
     def summary(self) -> dict:
-        return {"pipelined": self.pipelined.summary() if self.pipelined else None,
-                "flat": self.flat.summary() if self.flat else None, "decision": "pipeline" if self.pipeline
-                else "no pipeline", "evaluated": self.evaluated, "feasible": self.feasible,
-                "wall_s": self.wall_s, "margin": self.margin,
+        return {"decision": "pipeline" if self.pipeline else "no pipeline",
+                "pipelined": self.pipelined.summary() if self.pipelined else None,
+                "flat": self.flat.summary() if self.flat else None, "evaluated": self.evaluated,
+                "feasible": self.feasible, "wall_s": self.wall_s, "margin": self.margin,
                 "priced_by_repetition": list(self.repeated) if self.repeated else None}
 
 
@@ -743,33 +823,38 @@ def _divisors(n: int) -> list:
 
 def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, loss_fn, stages: int | None = None,
                     microbatches: int | None = None, schedule=None, memory: float | None = None,
-                    recompute: bool | None = None, optimizer: str = "adamw", time_limit_s: float = 60.0,
-                    solver: str = "HIGHS", reuse_layers: bool | None = None, margin: float = MARGIN,
-                    max_tp: int | None = None) -> PipelineSearch:
-    """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches
-    and schedule (tp inside a node; dp outside the stage submesh, priced as a
-    gradient all-reduce once per step)."""
+                    recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                    time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
+                    margin: float = MARGIN, max_tp: int | None = None) -> PipelineSearch:
+    """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches,
+    schedule and recomputation for each factorisation.
+
+    tp stays inside a node (it divides ``devices_per_node``); the intra-stage
+    ILP runs on the tp submesh at 1 and 2 sequences per data-parallel rank
+    (``MICROBATCH_PER_DP_RANK``; other sizes by affine interpolation of the
+    layer costs); dp replicates the pipeline and adds an all-reduce of each
+    stage's gradients once per step. ``stages=1`` or a single stage candidate
+    is "no pipeline": one microbatch of the whole local batch."""
     t0 = time.perf_counter()
     cluster = get_cluster(cluster)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if loss_fn is None:
         raise AutoparError("pipelining trains the model: give loss_fn (the last example input is the target)")
+    if schedule is not None:
+        schedule = _schedule_arg(schedule)
     B = batch_size(example_inputs)
     budget = memory if memory is not None else cluster.device.memory
-    dpn = cluster.devices_per_node
-    tps = [t for t in _divisors(dpn) if world % t == 0 and (max_tp is None or t <= max_tp)]
-    cache: dict = {}
+    tps = [t for t in _divisors(cluster.devices_per_node) if world % t == 0 and (max_tp is None or t <= max_tp)]
     points = [b for b in MICROBATCH_PER_DP_RANK if b <= B] or [1]
-    profiles: dict = {}
-    for t in tps:
-        for b in points:
-            profiles[t, b] = profile(model, example_inputs, loss_fn, Mesh((t,), ("tp",)), cluster, microbatch=b,
-                                     optimizer=optimizer, time_limit_s=time_limit_s, solver=solver,
-                                     reuse_layers=reuse_layers, graph_cache=cache)
+    cache: dict = {}
+    profiles = {(t, b): profile(model, example_inputs, loss_fn, Mesh((t,), ("tp",)), cluster, microbatch=b,
+                                optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                                reuse_layers=reuse_layers is not False, graph_cache=cache)
+                for t in tps for b in points}
     first = next(iter(profiles.values()))
     n = len(first.layers)
     evaluated = feasible = 0
-    best_pipe, best_flat = [], []
+    pipelined, flat = [], []
     recomputes = [recompute] if recompute is not None else [False, True]
     for t in tps:
         for p in _divisors(world // t):
@@ -777,29 +862,28 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                 continue
             d = world // (t * p)
             links = axis_links(cluster, (p, d, t))
-            for b0 in ([B // d] if p == 1 and B % d == 0 else points if p > 1 else []):
+            sizes = points if p > 1 else ([B // d] if B % d == 0 else [])
+            for b0 in sizes:
                 if B % (d * b0):
                     continue
                 m = B // (d * b0)
-                if microbatches is not None and m != microbatches and p > 1:
+                if p > 1 and microbatches is not None and m != microbatches:
                     continue
-                prof = _profile_at(profiles, t, b0, points)
-                prof = _with_pp_link(prof, links[0] if p > 1 else None)
+                prof = _with_pp_link(_profile_at(profiles, t, b0, points), links[0] if p > 1 else None)
                 for sched, v in _schedules(schedule, p, m, n):
                     for rc in recomputes:
                         evaluated += 1
                         c = evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget, dp=d,
                                      dp_link=links[1])
-                        if c is None:
-                            continue
-                        feasible += 1
-                        (best_pipe if p > 1 else best_flat).append(c)
-    result = PipelineSearch(_best(best_pipe), _best(best_flat), evaluated, feasible, first.names, first.repeated,
-                            time.perf_counter() - t0, margin, profiles)
+                        if c is not None:
+                            feasible += 1
+                            (pipelined if p > 1 else flat).append(c)
+    result = PipelineSearch(_best(pipelined), _best(flat), evaluated, feasible, first.names, first.repeated,
+                            time.perf_counter() - t0, margin)
     if result.best is None:
         raise InfeasibleError(
-            f"no pipeline configuration of {world} devices fits in {budget / 2**30:.2f} GiB per device "
-            f"(tried {evaluated} configurations of stages x tp x microbatches x schedule x recomputation)")
+            f"no configuration of {world} devices fits in {budget / 2**30:.2f} GiB per device (tried {evaluated} "
+            "combinations of stages x tp x microbatches x schedule x recomputation)")
     return result
 
 
@@ -808,19 +892,18 @@ def _profile_at(profiles: dict, t: int, b0: int, points: list) -> Profile:
         return profiles[t, b0]
     a = profiles[t, points[0]]
     if len(points) == 1:
-        return replace(a, microbatch=b0, graph=None, chosen=None)
+        return replace(a, microbatch=b0)
     return a.scaled(profiles[t, points[-1]], b0)
 
 
 def _with_pp_link(prof: Profile, pp_link) -> Profile:
-    """The same profile with its cut transfers priced on ``pp_link``."""
+    """The same profile with its cut transfers priced on ``pp_link`` (none without one)."""
     cuts = []
     for cut in prof.cuts:
         if pp_link is None or cut.tensors == 0:
             cuts.append(replace(cut, p2p_fwd_s=0.0, p2p_bwd_s=0.0))
             continue
-        per = cut.nbytes / cut.tensors
-        t = cut.tensors * collective_time(Collective.SEND_RECV, per, pp_link)
+        t = cut.tensors * collective_time(Collective.SEND_RECV, cut.nbytes / cut.tensors, pp_link)
         cuts.append(replace(cut, p2p_fwd_s=t, p2p_bwd_s=t))
     return replace(prof, cuts=cuts)
 
@@ -829,22 +912,25 @@ def _with_pp_link(prof: Profile, pp_link) -> Profile:
 
 def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn, stages: int | None = None,
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
-                      recompute: bool | None = None, optimizer: str = "adamw", time_limit_s: float = 60.0,
-                      solver: str = "HIGHS", source: str | None = None, margin: float = MARGIN,
-                      reuse_layers: bool | None = None) -> Plan:
+                      recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                      time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
+                      margin: float = MARGIN, reuse_layers: bool | None = None) -> Plan:
     """Plan ``model`` with pipeline parallelism where it pays.
 
     * ``mesh`` with a ``pp`` axis ("pp=2,tp=2"): the pipeline has that many
       stages (``stages``, if given, must agree); each stage runs the
       intra-operator plan on the other axes.
     * ``mesh`` without one (a device count, "dp=128,tp=8", ...): the planner
-      factors the devices into pp x dp x tp (tp inside a node) and pipelines
-      only when ``should_pipeline`` says so; ``stages=`` pins the stage count
-      (``stages=1`` never pipelines).
+      factors the devices into pp x dp x tp (tp inside a node, at most the
+      mesh's last axis) and pipelines only when ``should_pipeline`` says so;
+      ``stages=`` pins the stage count (``stages=1`` never pipelines).
+      Otherwise it returns ``autopar.compile``'s plan on ``mesh``.
     ``microbatches`` / ``schedule`` ("gpipe", "1f1b", "interleaved-1f1b") pin
-    those choices; ``recompute`` pins full activation recomputation on/off
-    (planning only: the runtime does not recompute yet). The returned Plan's
-    ``pipeline`` section is None when the plan does not pipeline."""
+    those choices; ``recompute`` pins full activation recomputation on or off
+    (the runtime does not recompute yet). The plan's ``pipeline`` section is
+    None when it does not pipeline. A model on the meta device with many
+    identical layers gets a planning-only plan (stages and costs, no per-node
+    strategies); ``reuse_layers=False`` captures it whole instead."""
     from autopar.compiler import compile as compile_flat
 
     t0 = time.perf_counter()
@@ -853,45 +939,45 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if schedule is not None:
         schedule = _schedule_arg(schedule)
-    if stages is not None and (not isinstance(stages, int) or stages < 1):
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
-    flat_options = dict(mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory, optimizer=optimizer,
-                        time_limit_s=time_limit_s, solver=solver, source=source)
+    options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
+    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, **options)
     if PP_AXIS in mesh.names:
         p = mesh.shape[mesh.names.index(PP_AXIS)]
         if stages is not None and stages != p:
-            raise AutoparError(f"stages={stages} disagrees with the mesh's pp axis ({mesh}): the pipeline has one "
-                               f"stage per pp coordinate; use a mesh with pp={stages}")
+            raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
+                               f"coordinate of its pp axis; use a mesh with pp={stages}")
         if p == 1:
-            inner = _inner_mesh(mesh)
-            return compile_flat(model, example_inputs, **{**flat_options, "mesh": inner})
+            return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
         return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, microbatches=microbatches,
-                             schedule=schedule, memory=memory, recompute=recompute, optimizer=optimizer,
-                             time_limit_s=time_limit_s, solver=solver, source=source, reuse_layers=reuse_layers,
-                             t0=t0)
+                             schedule=schedule, memory=memory, recompute=recompute, source=source,
+                             reuse_layers=bool(reuse_layers), t0=t0, **options)
     if stages == 1:
-        return compile_flat(model, example_inputs, **flat_options)
-    max_tp = mesh.shape[-1] if mesh.ndim > 1 else None
+        return compile_flat(model, example_inputs, mesh=mesh, **flat)
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
-                            recompute=recompute, optimizer=optimizer, time_limit_s=time_limit_s, solver=solver,
-                            reuse_layers=reuse_layers, margin=margin if stages is None else -math.inf,
-                            max_tp=max_tp)
+                            recompute=recompute, reuse_layers=reuse_layers, margin=margin,
+                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, **options)
     if not found.pipeline:
-        plan = compile_flat(model, example_inputs, **flat_options)
+        plan = compile_flat(model, example_inputs, mesh=mesh, **flat)
         plan.solver["pipeline_search"] = found.summary()
         return plan
     best = found.pipelined
-    chosen_mesh = found.mesh(best)
-    if found.repeated:
-        plan = _plan_from_candidate(found.profiles, best, chosen_mesh, cluster, source, found)
+    if found.repeated and _on_meta(model):
+        plan = plan_from_candidate(best, found.mesh(best), cluster, source)
+        plan.solver["wall_s"] = time.perf_counter() - t0
     else:
-        plan = _plan_on_mesh(model, example_inputs, loss_fn, chosen_mesh, cluster, microbatches=best.microbatches,
-                             schedule=best.schedule, virtual_stages=best.virtual_stages, memory=memory,
-                             recompute=best.recompute, optimizer=optimizer, time_limit_s=time_limit_s,
-                             solver=solver, source=source, reuse_layers=reuse_layers, t0=t0)
+        plan = _plan_on_mesh(model, example_inputs, loss_fn, found.mesh(best), cluster,
+                             microbatches=best.microbatches, schedule=best.schedule,
+                             virtual_stages=best.virtual_stages, memory=memory, recompute=best.recompute,
+                             source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
     plan.solver["pipeline_search"] = found.summary()
     return plan
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def _schedule_arg(schedule) -> Schedule:
@@ -911,8 +997,10 @@ def _inner_mesh(mesh: Mesh) -> Mesh:
 
 def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microbatches=None, schedule=None,
                   virtual_stages: int | None = None, memory=None, recompute=None, optimizer="adamw",
-                  time_limit_s=60.0, solver="HIGHS", source=None, reuse_layers=None, t0=None) -> Plan:
-    """Path with a given pp axis: choose layers, microbatches and schedule."""
+                  precision="fp32", time_limit_s=60.0, solver="HIGHS", source=None, reuse_layers: bool = False,
+                  t0=None) -> Plan:
+    """The pp axis is given: choose layers, microbatches, schedule; the submesh
+    plan is the ILP's on the whole microbatch graph."""
     t0 = t0 if t0 is not None else time.perf_counter()
     if loss_fn is None:
         raise AutoparError("pipelining trains the model: give loss_fn (the last example input is the target)")
@@ -921,39 +1009,48 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
     p = mesh.shape[pp_index]
     inner = _inner_mesh(mesh)
     budget = memory if memory is not None else cluster.device.memory
-    links = axis_links(cluster, mesh.shape)
+    pp_link = axis_links(cluster, mesh.shape)[pp_index]
     if microbatches is not None:
-        if not isinstance(microbatches, int) or microbatches < 1 or B % microbatches:
-            raise AutoparError(f"microbatches={microbatches!r} must be a positive integer dividing the batch ({B})")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1 \
+                or B % microbatches:
+            raise AutoparError(f"microbatches={microbatches!r} must be a positive integer dividing the batch "
+                               f"size ({B})")
         ms = [microbatches]
     else:
         ms = [m for m in _divisors(B) if m >= min(p, B)][:MAX_MICROBATCH_CANDIDATES]
     cache: dict = {}
-    best, best_prof, evaluated = None, None, 0
+    cands, evaluated = [], 0
     for m in ms:
-        prof = profile(model, example_inputs, loss_fn, inner, cluster, microbatch=B // m, pp_link=links[pp_index],
-                       optimizer=optimizer, time_limit_s=time_limit_s, solver=solver, reuse_layers=reuse_layers,
+        prof = profile(model, example_inputs, loss_fn, inner, cluster, microbatch=B // m, pp_link=pp_link,
+                       optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                       reuse_layers=reuse_layers,
                        graph_cache=cache)
         pairs = _schedules(schedule, p, m, len(prof.layers))
         if virtual_stages is not None:
-            pairs = [(s, v) for s, v in pairs if v == virtual_stages] or [(Schedule(schedule), virtual_stages)]
+            pairs = [(s, v) for s, v in pairs if v == virtual_stages]
         for sched, v in pairs:
             for rc in ([recompute] if recompute is not None else [False, True]):
                 evaluated += 1
-                c = evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget)
-                if c is not None and (best is None or (c.step_s, c.memory_bytes) < (best.step_s, best.memory_bytes)):
-                    best, best_prof = c, prof
+                cands.append(evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget))
+    best = _best(cands)
+    if best is None and prof.forbidden:
+        free = [c for c in range(1, len(prof.layers)) if c not in prof.forbidden]
+        if len(free) < p - 1:
+            raise AutoparError(
+                f"a pipeline of {p} stages needs {p - 1} cut(s) between layers, but parameters shared by several "
+                f"layers (tied weights) leave only {len(free)}: {[prof.names[c] for c in free]} can start a "
+                "stage; untie them or use fewer stages")
     if best is None:
         raise InfeasibleError(
-            f"no pipeline of {p} stages on {mesh} fits in {budget / 2**30:.2f} GiB per device "
-            f"(tried microbatches {ms}); give more memory, more stages or a larger submesh")
-    if best_prof.graph is None:
-        plan = _plan_from_candidate({("given",): best_prof}, best, mesh, cluster, source, None)
+            f"no pipeline of {p} stages on {mesh} fits in {budget / 2**30:.2f} GiB per device (tried microbatches "
+            f"{ms}, schedules {[schedule.value] if schedule else [s.value for s in Schedule]}); give more memory, "
+            "more stages or a larger submesh")
+    if best.profile.repeated:
+        plan = plan_from_candidate(best, mesh, cluster, source)
     else:
-        plan = build_pipeline_plan(best_prof, best, mesh, cluster, source)
+        plan = build_pipeline_plan(best, mesh, cluster, source)
     plan.solver["wall_s"] = time.perf_counter() - t0
-    plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms,
-                                      "chosen": best.summary()}
+    plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms, "chosen": best.summary()}
     return plan
 
 
@@ -962,45 +1059,67 @@ def _stage_ranks(mesh: Mesh, pp_index: int, coord: int) -> list:
     return [int(r) for r in np.take(grid, coord, axis=pp_index).flatten()]
 
 
-def _with_pp(spec: tuple, pp_index: int, inner_is_synthetic: bool) -> str:
-    """An inner-mesh spec as a full-mesh spec (replicated on the pp axis)."""
-    placements = [] if inner_is_synthetic else list(spec)
-    placements.insert(pp_index, Replicate())
-    return fmt_spec(tuple(placements))
+def _full_spec(spec: tuple, submesh: Mesh, mesh: Mesh) -> str:
+    """A spec on the stage submesh as a spec on the whole mesh: replicated on
+    the pp axis and on any axis the submesh does not have (dp priced outside it)."""
+    by_name = dict(zip(submesh.names, spec))
+    return fmt_spec(tuple(by_name.get(n, Replicate()) if n != PP_AXIS else Replicate() for n in mesh.names))
+
+
+def _per_axis(spec: tuple, submesh: Mesh, mesh: Mesh) -> list:
+    return [fmt_spec((q,)) for q in parse_spec(_full_spec(spec, submesh, mesh), mesh.ndim)]
 
 
 def inner_spec(spec: str, mesh: Mesh) -> str:
-    """A full-mesh spec of a pipelined plan on the stage submesh (the pp axis dropped)."""
+    """A whole-mesh spec of a pipelined plan on the stage submesh (the pp axis
+    dropped; "R" on the one-device submesh of a pp-only mesh)."""
     placements = list(parse_spec(spec, mesh.ndim))
     del placements[mesh.names.index(PP_AXIS)]
     return fmt_spec(tuple(placements)) if placements else "R"
 
 
 def stage_ranges(plan: Plan, layer_names: list) -> list:
-    """The [start, stop) layer ranges of a pipelined plan's stages in ``layer_names``."""
+    """The [start, stop) ranges of a pipelined plan's stages in ``layer_names``."""
     ranges = []
     for st in plan.pipeline["stages"]:
         names = st["layers"]
-        try:
-            start = layer_names.index(names[0])
-        except ValueError:
+        if names[0] not in layer_names:
             raise AutoparError(f"the plan's stage {st['index']} starts at layer {names[0]!r}, which this model "
-                               f"does not have (its layers: {layer_names[:6]}...)") from None
+                               f"does not have (its layers: {layer_names[:6]}...); recompile the plan")
+        start = layer_names.index(names[0])
         if layer_names[start:start + len(names)] != names:
             raise AutoparError(f"the plan's stage {st['index']} layers {names} are not consecutive layers of this "
                                "model; recompile the plan for this model")
         ranges.append((start, start + len(names)))
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != len(layer_names) or \
+            any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise AutoparError(f"the plan's stages {[s['layers'] for s in plan.pipeline['stages']]} do not cover this "
+                           f"model's layers {layer_names} in order; recompile the plan")
     return ranges
 
 
-def build_pipeline_plan(prof: Profile, cand: Candidate, mesh: Mesh, cluster, source: str | None) -> Plan:
-    """The Plan of a candidate whose profile holds the whole microbatch graph."""
+def _topology(mesh: Mesh, cluster) -> list:
+    return [{"name": nm, "size": a.size, "intra_node": a.intra, "inter_node": a.inter,
+             "level": "inter-node" if a.intra == 1 and a.inter > 1 else
+                      ("hierarchical" if a.inter > 1 else "intra-node")}
+            for nm, a in zip(mesh.names, axis_links(cluster, mesh.shape))]
+
+
+def _pipeline_section(cand: Candidate, stages: list) -> dict:
+    return {"schedule": cand.schedule.value, "microbatches": cand.microbatches,
+            "virtual_stages": cand.virtual_stages, "axis": PP_AXIS,
+            "recompute": "full" if cand.recompute else "none", "microbatch_size": cand.microbatch,
+            "bubble_fraction": bubble_fraction(cand.schedule, cand.stages, cand.microbatches, cand.virtual_stages),
+            "stages": stages}
+
+
+def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None) -> Plan:
+    """The Plan of a candidate priced on the whole microbatch graph."""
+    prof = cand.profile
     graph, layers, chosen = prof.graph, prof.grouping, prof.chosen
     pp_index = mesh.names.index(PP_AXIS)
     inner = prof.submesh
-    synthetic = mesh.ndim == 1  # only the pp axis: stages run on a one-device submesh
-    ctx = CostContext.make(inner.shape, cluster)
-    full_ctx = CostContext.make(mesh.shape, cluster)
+    ctx = prof.ctx
     grad = needs_grad(graph)
     p, m = cand.stages, cand.microbatches
     nodes = []
@@ -1008,12 +1127,9 @@ def build_pipeline_plan(prof: Profile, cand: Candidate, mesh: Mesh, cluster, sou
         s = chosen[node.name]
         f, b = node_compute(node, s, ctx, node.name in grad)
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
-                              [_with_pp(x, pp_index, synthetic) for x in s.inputs],
-                              _with_pp(s.output, pp_index, synthetic), f + b,
+                              [_full_spec(x, inner, mesh) for x in s.inputs], _full_spec(s.output, inner, mesh), f + b,
                               node_memory(node, s, ctx, node.name in grad), len(prof.strategies[node.name])))
-    stage_of = {}
-    stage_entries = []
-    B = m * prof.microbatch
+    stage_of, stage_entries = {}, []
     for c, (i, j) in enumerate(cand.ranges):
         names = layers.nodes_of(graph, i, j)
         for nm in names:
@@ -1024,61 +1140,57 @@ def build_pipeline_plan(prof: Profile, cand: Candidate, mesh: Mesh, cluster, sou
             "index": c, "layers": layers.names[i:j], "nodes": names, "submesh": list(inner.shape),
             "devices": _stage_ranks(mesh, pp_index, c % p), "time_s": cand.chunk_time_s[c],
             "memory_bytes": cand.device_memory[c % p],
+            "receives": list(layers.crossing[i]) if i > 0 else [],
             "sends": list(layers.crossing[j]) if j < layers.n else [],
             "plan": {"mesh": inner.to_json(), "parameters": params,
                      "strategies": {nm: str(chosen[nm]) for nm in names}},
         })
     parameters = {}
     for fqn, ph in graph.params.items():
-        spec = chosen[ph].output
-        shape = graph.nodes[ph].out.shape
-        parameters[fqn] = {"placements": _placements_full(spec, pp_index, synthetic, mesh.ndim),
-                           "shape": list(shape), "local_shape": list(local_shape(shape, spec, inner.shape)),
+        spec, shape = chosen[ph].output, graph.nodes[ph].out.shape
+        parameters[fqn] = {"placements": _per_axis(spec, inner, mesh), "shape": list(shape),
+                           "local_shape": list(local_shape(shape, spec, inner.shape)),
                            "dtype": str(graph.nodes[ph].out.dtype), "stage": stage_of.get(ph, 0)}
     inputs = []
     for node in graph.nodes.values():
         if node.kind is NodeKind.INPUT:
-            spec = chosen[node.name].output
-            shape = list(node.out.shape)
-            inputs.append({"name": node.name, "placements": _placements_full(spec, pp_index, synthetic, mesh.ndim),
-                           "shape": [B, *shape[1:]] if shape else shape, "microbatch_shape": shape,
+            spec, shape = chosen[node.name].output, list(node.out.shape)
+            inputs.append({"name": node.name, "placements": _per_axis(spec, inner, mesh),
+                           "shape": [m * shape[0], *shape[1:]] if shape else shape, "microbatch_shape": shape,
                            "dtype": str(node.out.dtype),
                            "local_shape": list(local_shape(node.out.shape, spec, inner.shape))})
-    collectives = _collectives(graph, layers, chosen, ctx, inner, cand, stage_of, mesh, full_ctx)
-    pred = _predicted(cand, cluster, mesh, prof.dtype)
-    topology = [{"name": nm, "size": a.size, "intra_node": a.intra, "inter_node": a.inter,
-                 "level": "inter-node" if a.intra == 1 and a.inter > 1 else
-                          ("hierarchical" if a.inter > 1 else "intra-node")}
-                for nm, a in zip(mesh.names, full_ctx.links)]
     from autopar.compiler import _placeholders
     model_info = {"source": source, "fingerprint": graph.fingerprint(), "has_loss": graph.has_loss,
-                  "placeholders": _placeholders(graph), "out_spec": graph.out_spec, "microbatch_size": prof.microbatch}
+                  "placeholders": _placeholders(graph), "out_spec": graph.out_spec,
+                  "microbatch_size": prof.microbatch}
     sol = prof.solution
     solver_info = {"status": sol.status, "objective": cand.step_s, "wall_s": sol.wall_s,
                    "variables": sol.variables, "constraints": sol.constraints, "backend": sol.extra.get("backend"),
-                   "intra_objective_s": sol.objective_s}
-    pipeline = {"schedule": cand.schedule.value, "microbatches": m, "virtual_stages": cand.virtual_stages,
-                "axis": PP_AXIS, "recompute": "full" if cand.recompute else "none",
-                "microbatch_size": prof.microbatch, "bubble_fraction":
-                    bubble_fraction(cand.schedule, p, m, cand.virtual_stages), "stages": stage_entries}
-    plan = Plan(mesh, cluster.to_json(), topology, model_info, parameters, inputs, nodes, collectives, pred,
-                solver_info, pipeline)
+                   "stage_objective_s": sol.objective_s}
+    plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster), model_info, parameters, inputs, nodes,
+                _collectives(cand, ctx, stage_of, mesh, cluster), _predicted(cand, cluster, mesh),
+                solver_info, _pipeline_section(cand, stage_entries))
     plan.fallbacks = [vars(f) for f in prof.fallbacks]
     plan.warnings = [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
                      for f in prof.fallbacks]
-    if cand.recompute:
-        plan.warnings.append("the plan recomputes activations (full recomputation); the pipeline runtime "
-                             "does not recompute yet, so it needs the memory of the plan without it")
+    plan.recompute = _recompute_section(cand)
     return plan
 
 
-def _placements_full(spec: tuple, pp_index: int, synthetic: bool, ndim: int) -> list:
-    return [fmt_spec((q,)) for q in parse_spec(_with_pp(spec, pp_index, synthetic), ndim)]
+def _recompute_section(cand: Candidate) -> dict:
+    """plan.recompute: the numbered layers run under activation checkpointing."""
+    layers = [lc.name for lc in cand.profile.layers if cand.recompute and lc.recomputable]
+    return {"mode": "full" if layers else "none", "layers": layers}
 
 
-def _collectives(graph, layers, chosen, ctx, inner: Mesh, cand: Candidate, stage_of: dict, mesh: Mesh,
-                 full_ctx) -> list:
+def _collectives(cand: Candidate, ctx: CostContext, stage_of: dict, mesh: Mesh, cluster) -> list:
+    """Logical collectives: each stage's intra-stage resharding (``per_step``
+    times: m per microbatch, once for gradient synchronisation) and one
+    send_recv per crossing tensor per boundary per direction."""
+    prof = cand.profile
+    graph, layers, chosen = prof.graph, prof.grouping, prof.chosen
     grad = needs_grad(graph)
+    inner = prof.submesh
     out = []
     m = cand.microbatches
     for node in graph.nodes.values():
@@ -1094,7 +1206,7 @@ def _collectives(graph, layers, chosen, ctx, inner: Mesh, cand: Candidate, stage
                                 "bytes": mv.nbytes, "seconds": mv.seconds, "node": node.name, "producer": src,
                                 "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
                                 "gradient_sync": sync, "stage": stage, "per_step": 1 if sync else m})
-    pp_link = full_ctx.links[mesh.names.index(PP_AXIS)]
+    pp_link = axis_links(cluster, mesh.shape)[mesh.names.index(PP_AXIS)]
     for c, (i, j) in enumerate(cand.ranges):
         if j >= layers.n:
             continue
@@ -1110,64 +1222,98 @@ def _collectives(graph, layers, chosen, ctx, inner: Mesh, cand: Candidate, stage
     return out
 
 
-def _predicted(cand: Candidate, cluster, mesh: Mesh, dtype: str) -> dict:
+def _predicted(cand: Candidate, cluster, mesh: Mesh) -> dict:
     peak_rank = max(range(cand.stages), key=lambda r: cand.device_memory[r])
+    dtype = cand.profile.dtype if cand.profile else "fp32"
     return {"step_time_s": cand.step_s, "compute_s": cand.compute_s, "comm_s": cand.comm_s,
             "bubble_s": cand.bubble_s, "sync_s": cand.sync_s, "peak_memory_bytes": cand.memory_bytes,
-            "memory": {"total": cand.memory_bytes, "stage": peak_rank},
+            "memory": dict(cand.device_memory_parts[peak_rank]), "peak_stage": peak_rank,
             "stage_memory_bytes": list(cand.device_memory), "stage_time_s": list(cand.device_time_s),
             "memory_capacity_bytes": cluster.device.memory, "model_flops": cand.flops,
-            "mfu": cand.flops / (cand.step_s * mesh.size * cluster.device.flops(dtype)) if cand.step_s > 0 else 0.0}
+            "mfu": cand.flops / (cand.step_s * mesh.size * cluster.device.flops(dtype)) if cand.step_s > 0 else 0.0,
+            "precision": cand.profile.ctx.precision if cand.profile and cand.profile.ctx else "fp32"}
 
 
-def _plan_from_candidate(profiles: dict, cand: Candidate, mesh: Mesh, cluster, source, found) -> Plan:
+def plan_from_candidate(cand: Candidate, mesh: Mesh, cluster, source: str | None) -> Plan:
     """A planning-only Plan for a model priced by repetition: stages list their
-    layers but not node names (the truncated capture has other names)."""
-    prof = next(iter(profiles.values()))
-    if found is not None:
-        prof = profiles.get((cand.submesh[-1], cand.microbatch)) or profiles[next(iter(profiles))]
+    layers, costs and the representative layers' placements (applied to every
+    repeated layer), but no nodes: it cannot be executed as is."""
+    prof = cand.profile
     pp_index = mesh.names.index(PP_AXIS)
-    names = [lc.name for lc in _expanded_names(prof)]
+    names = prof.names
     link = axis_links(cluster, mesh.shape)[pp_index]
+    params = _representative_parameters(prof, cand, mesh)
     stages, collectives = [], []
     for c, (i, j) in enumerate(cand.ranges):
         stages.append({"index": c, "layers": names[i:j], "nodes": [], "submesh": list(cand.submesh),
                        "devices": _stage_ranks(mesh, pp_index, c % cand.stages), "time_s": cand.chunk_time_s[c],
-                       "memory_bytes": cand.device_memory[c % cand.stages], "plan": None})
-    pipeline = {"schedule": cand.schedule.value, "microbatches": cand.microbatches,
-                "virtual_stages": cand.virtual_stages, "axis": PP_AXIS,
-                "recompute": "full" if cand.recompute else "none", "microbatch_size": cand.microbatch,
-                "bubble_fraction": bubble_fraction(cand.schedule, cand.stages, cand.microbatches,
-                                                   cand.virtual_stages),
-                "stages": stages, "priced_by_repetition": list(prof.repeated) if prof.repeated else None}
-    for c, (i, j) in enumerate(cand.ranges):
-        if j < len(prof.cuts):
+                       "memory_bytes": cand.device_memory[c % cand.stages],
+                       "plan": {"parameters": {k: "".join(v["placements"]) for k, v in params.items()
+                                               if v["stage"] == c}}})
+        if j < len(names):
             cut = prof.cuts[j]
             for phase in ("forward", "backward"):
                 collectives.append({"kind": "send_recv", "phase": phase, "mesh_axes": [PP_AXIS],
-                                    "bytes": cut.nbytes, "node": names[j], "tensor": f"into {names[j]}",
-                                    "seconds": collective_time(Collective.SEND_RECV, cut.nbytes, link),
-                                    "stage": c, "per_step": cand.microbatches, "gradient_sync": False})
-    ctx = CostContext.make(mesh.shape, cluster)
-    topology = [{"name": nm, "size": a.size, "intra_node": a.intra, "inter_node": a.inter,
-                 "level": "inter-node" if a.intra == 1 and a.inter > 1 else
-                          ("hierarchical" if a.inter > 1 else "intra-node")}
-                for nm, a in zip(mesh.names, ctx.links)]
+                                    "bytes": cut.nbytes, "seconds": collective_time(Collective.SEND_RECV, cut.nbytes,
+                                                                                    link),
+                                    "node": names[j], "tensor": f"into {names[j]}", "gradient_sync": False,
+                                    "stage": c, "per_step": cand.microbatches})
+    pipeline = _pipeline_section(cand, stages)
+    pipeline["priced_by_repetition"] = list(prof.repeated) if prof.repeated else None
     sol = prof.solution
-    solver_info = {"status": sol.status if sol else "DP", "objective": cand.step_s, "wall_s": 0.0,
-                   "variables": sol.variables if sol else 0, "constraints": sol.constraints if sol else 0}
-    plan = Plan(mesh, cluster.to_json(), topology, {"source": source, "fingerprint": None, "has_loss": True},
-                {}, [], [], collectives, _predicted(cand, cluster, mesh, prof.dtype), solver_info, pipeline)
-    plan.warnings = [f"priced by repetition: the model's {prof.repeated[1]} {prof.repeated[0]} layers were "
-                     f"priced from a {prof.repeated[2]}-layer copy; this plan lists stages and costs but no per-node "
-                     "strategies, so it cannot be executed as is"] if prof.repeated else []
+    solver_info = {"status": sol.status, "objective": cand.step_s, "wall_s": sol.wall_s,
+                   "variables": sol.variables, "constraints": sol.constraints, "backend": sol.extra.get("backend"),
+                   "stage_objective_s": sol.objective_s}
+    plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster),
+                {"source": source, "fingerprint": None, "has_loss": True}, params, [], [], collectives,
+                _predicted(cand, cluster, mesh), solver_info, pipeline)
+    plan.recompute = _recompute_section(cand)
+    if prof.repeated:
+        plan.warnings.append(f"priced by repetition: the {prof.repeated[1]} layers of {prof.repeated[0]} were "
+                             f"priced on a {prof.repeated[2]}-layer copy; the plan has no per-node strategies, "
+                             "compile with reuse_layers=False to execute it")
     return plan
 
 
-def _expanded_names(prof: Profile) -> list:
-    return prof.layers
+def _representative_parameters(prof: Profile, cand: Candidate, mesh: Mesh) -> dict:
+    """Parameter placements of the whole model from the captured (truncated) graph."""
+    graph, layers = prof.graph, prof.grouping
+    container, total, _ = prof.repeated or (None, 0, 0)
+    stage_of_layer = {}
+    for c, (i, j) in enumerate(cand.ranges):
+        for k in range(i, j):
+            stage_of_layer[prof.names[k]] = c
+    out = {}
+    for fqn, ph in graph.params.items():
+        spec, shape = prof.chosen[ph].output, graph.nodes[ph].out.shape
+        entry = {"placements": _per_axis(spec, prof.submesh, mesh), "shape": list(shape),
+                 "local_shape": list(local_shape(shape, spec, prof.submesh.shape)),
+                 "dtype": str(graph.nodes[ph].out.dtype)}
+        layer = layers.names[layers.group.get(ph, 0)]
+        if container and layer.startswith(container + "."):
+            k = int(layer.rsplit(".", 1)[1])
+            targets = [0] if k == 0 else range(1, total)
+            for t in targets:
+                name = fqn.replace(f"{container}.{k}.", f"{container}.{t}.", 1)
+                out[name] = {**entry, "stage": stage_of_layer.get(f"{container}.{t}", 0)}
+        else:
+            out[fqn] = {**entry, "stage": stage_of_layer.get(layer, 0)}
+    return out
+
+
+def stage_rows(plan: Plan) -> list:
+    """One row per stage of a pipelined plan for ``autopar show``: index,
+    layers (first..last), devices, submesh, time per microbatch, memory."""
+    rows = []
+    for st in (plan.pipeline or {}).get("stages", []):
+        layers = st["layers"]
+        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+        devices = st["devices"]
+        dev = ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]}..{devices[-1]} ({len(devices)})"
+        rows.append((st["index"], span, dev, "x".join(map(str, st["submesh"])), st["time_s"], st["memory_bytes"]))
+    return rows
 
 
 __all__ = ["compile_pipelined", "search_pipeline", "should_pipeline", "bubble_fraction", "group_layers",
            "Schedule", "Layers", "Candidate", "PipelineSearch", "profile", "partition", "evaluate",
-           "inner_spec", "stage_ranges", "PP_AXIS"]
+           "inner_spec", "stage_ranges", "stage_rows", "build_pipeline_plan", "plan_from_candidate", "PP_AXIS"]

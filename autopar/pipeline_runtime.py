@@ -65,8 +65,10 @@ SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
 class StageGraph:
     """One stage's slice of the microbatch graph."""
 
-    def __init__(self, graph: Graph, recv: list, order: list, sends: list | None):
+    def __init__(self, graph: Graph, layers: list, recv: list, order: list, sends: list | None):
         self.graph = graph
+        self.layers = layers
+        """The layers (module paths) the stage runs."""
         self.recv = recv
         """Names of the tensors received from the previous stage (the positional arguments)."""
         self.order = order
@@ -144,7 +146,7 @@ def stage_graph(graph: Graph, layers: Layers, start: int, stop: int) -> StageGra
     gm = fx.GraphModule(nn.Module(), g, class_name="StageProgram")
     sub = Graph(nodes, gm, params, buffers, len([o for o in order if o[0] == "input"]),
                 last and graph.has_loss, graph.out_spec if last else "")
-    return StageGraph(sub, recv, order, sends)
+    return StageGraph(sub, layers.names[start:stop], recv, order, sends)
 
 
 def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
@@ -173,8 +175,11 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
                                   [inner(s) for s in src.input_specs], inner(src.output_spec)))
             if node.kind is NodeKind.INPUT:
                 inputs.append({"name": node.name, "shape": shapes[node.name]["microbatch_shape"]})
-    return Plan(submesh, plan.cluster, [], {"fingerprint": sg.graph.fingerprint()}, {}, inputs, nodes, [],
-                {"step_time_s": 0.0, "peak_memory_bytes": 0.0}, {})
+    out = Plan(submesh, plan.cluster, [], {"fingerprint": sg.graph.fingerprint()}, {}, inputs, nodes, [],
+               {"step_time_s": 0.0, "peak_memory_bytes": 0.0}, {})
+    recomputed = [name for name in plan.recompute.get("layers", []) if name in sg.layers]
+    out.recompute = {"mode": "full" if recomputed else "none", "layers": recomputed}
+    return out
 
 
 def stage_source(sg: StageGraph, plan: Plan, submesh: Mesh) -> str:
@@ -249,6 +254,17 @@ def init_pipeline_mesh(mesh: Mesh):
     return init_distributed(mesh.shape, mesh.names)
 
 
+def stage_sources(model: nn.Module, plan: Plan, loss_fn=None) -> dict:
+    """The per-stage programs of a pipelined plan, as Python source, by model chunk."""
+    example = tuple(torch.zeros(i["microbatch_shape"], dtype=_dtype(i["dtype"])) for i in plan.inputs)
+    graph = capture(model, example, loss_fn)
+    layers = group_layers(graph)
+    inner = tuple(n for n in plan.mesh.names if n != PP_AXIS)
+    submesh = Mesh(tuple(s for n, s in zip(plan.mesh.names, plan.mesh.shape) if n != PP_AXIS), inner)
+    return {c: stage_source(stage_graph(graph, layers, start, stop), plan, submesh)
+            for c, (start, stop) in enumerate(stage_ranges(plan, layers.names))}
+
+
 class PipelinedModule(nn.Module):
     """The user's model, running a pipelined ``plan`` on this rank."""
 
@@ -257,9 +273,6 @@ class PipelinedModule(nn.Module):
         if plan.pipeline is None:
             raise PlanError("this plan does not pipeline (its 'pipeline' section is null); run it with "
                             "autopar.runtime.ParallelModule")
-        if plan.pipeline.get("recompute", "none") != "none":
-            raise PlanError("the plan recomputes activations, which the pipeline runtime does not do yet; "
-                            "recompile with recompute=False")
         if not plan.nodes:
             raise PlanError("this pipelined plan lists no per-node strategies (it was priced by repetition); "
                             "compile it with reuse_layers=False to run it")
@@ -318,6 +331,10 @@ class PipelinedModule(nn.Module):
                 out_args = tuple(self._example(graph.nodes[n].out, device) for n in sg.sends)
             stages.append(PipelineStage(module, c, len(ranges), device, input_args=in_args, output_args=out_args,
                                         group=self._pp_group))
+        for fqn, info in plan.parameters.items():  # parameters no op uses stay on their plan stage
+            if info["stage"] in mine and fqn not in local:
+                shard = shard_of(full[fqn].detach().to(device), self._placements[fqn], self._inner)
+                local[fqn] = nn.Parameter(shard, requires_grad=full[fqn].requires_grad)
         self._local_fqns = list(local)
         tree = _ParamTree(local)  # registered here so that names stay the originals
         for name, child in tree.named_children():
@@ -359,16 +376,17 @@ class PipelinedModule(nn.Module):
         # The loss is computed inside the last stage's program; the schedule's
         # target only has to split into m pieces.
         target = torch.zeros(self._m, device=self._device)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if training:
             self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
         else:
-            self._schedule.eval(target=target, losses=losses, **kwargs)
+            self._schedule.eval(target=target, losses=losses, return_outputs=False, **kwargs)
         value = torch.zeros((), device=self._device)
         if losses:
             for loss in losses:
                 value = value + loss.detach()
         dist.broadcast(value, group=self._pp_group, group_src=self._p - 1)
-        return _ReportedLoss.apply(value, self._anchor)
+        return _ReportedLoss.apply(value, self._anchor) if training else value
 
     # --- full tensors under the original names -----------------------------------------
     def _gather(self, tensors: dict) -> dict:
@@ -445,7 +463,7 @@ class _ParamTree(nn.Module):
 # --- the equivalence check (torchrun worker) ---------------------------------------------------
 
 def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, schedule: str | None,
-          steps: int = 2, lr: float = 1e-3) -> dict:
+          recompute: bool | None = None, steps: int = 2, lr: float = 1e-3) -> dict:
     """Train the pipelined plan and the single-device model side by side; relative
     errors of the loss (per step), every gradient (first step) and the
     parameters after the last AdamW step (norm-wise over the whole model)."""
@@ -459,7 +477,7 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
     box = [None]
     if dist.get_rank() == 0:
         plan = compile_pipelined(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
-                                 microbatches=microbatches, schedule=schedule, source=source)
+                                 microbatches=microbatches, schedule=schedule, recompute=recompute, source=source)
         box = [plan.dumps()]
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_json(json.loads(box[0]))
@@ -483,6 +501,10 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    with torch.no_grad():
+        evaluated = pmodel(*inputs).item()
+        ref_eval = loss_fn(reference(*inputs[:-1]), inputs[-1]).item()
+    report["eval_loss_rel"] = abs(evaluated - ref_eval) / max(abs(ref_eval), 1e-12)
     state = pmodel.state_dict()
     ref_state = reference.state_dict()
     keys = sorted(ref_state)
@@ -497,6 +519,8 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
     pipe = plan.pipeline
     report["plan"] = {"schedule": pipe["schedule"], "microbatches": pipe["microbatches"],
+                      "recompute": plan.recompute, "programs": {c: src.count("checkpoint")
+                                                                 for c, src in pmodel.programs.items()},
                       "virtual_stages": pipe["virtual_stages"],
                       "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
                       "send_recv": plan.count(kind="send_recv"),
@@ -513,26 +537,35 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", required=True, help="a mesh with a pp axis, e.g. pp=2 or pp=2,tp=2")
     ap.add_argument("--cluster", default="cpu")
     ap.add_argument("--microbatches", type=int)
-    ap.add_argument("--schedule", choices=[s.value for s in Schedule])
+    ap.add_argument("--schedule", help="schedule(s) to check, comma-separated: " +
+                    ", ".join(s.value for s in Schedule) + " (default: the planner's choice)")
+    ap.add_argument("--recompute", default="none",
+                    help="activation recomputation to check, comma-separated: none, full (default none)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--json", help="write the reports here (rank 0)")
     args = ap.parse_args(argv)
     reports = []
     for source in args.check:
-        r = check(source, args.mesh, args.cluster, microbatches=args.microbatches, schedule=args.schedule,
-                  steps=args.steps)
-        reports.append({**r, "source": source, "mesh": args.mesh})
-    ok = all(max(r["loss_rel"], r["grad"], r["param"]) <= args.tol for r in reports)
+        for schedule in (args.schedule.split(",") if args.schedule else [None]):
+            for recompute in args.recompute.split(","):
+                if recompute not in ("none", "full"):
+                    raise SystemExit(f"--recompute {recompute!r}: expected none or full")
+                r = check(source, args.mesh, args.cluster, microbatches=args.microbatches, schedule=schedule,
+                          recompute=recompute == "full", steps=args.steps)
+                reports.append({**r, "source": source, "mesh": args.mesh})
+    ok = all(max(r["loss_rel"], r["grad"], r["param"], r["eval_loss_rel"], r["reload"]) <= args.tol
+             for r in reports)
     locals_ = [None] * dist.get_world_size()
     dist.all_gather_object(locals_, [r["local_parameters"] for r in reports])
     if dist.get_rank() == 0:
         for i, r in enumerate(reports):
             r["local_parameters_by_rank"] = [x[i] for x in locals_]
             print(f"{r['source']} on {r['mesh']} ({r['plan']['schedule']}, {r['plan']['microbatches']} microbatches, "
+                  f"recompute {r['plan']['recompute']['mode']}, "
                   f"stages {[s['layers'] for s in r['plan']['stages']]}): loss rel err {r['loss_rel']:.1e}, "
                   f"grad rel err {r['grad']:.1e}, param rel err after {args.steps} AdamW steps {r['param']:.1e} "
-                  f"(max abs {r['param_max_abs']:.1e})")
+                  f"(max abs {r['param_max_abs']:.1e}), eval loss rel err {r['eval_loss_rel']:.1e}")
         print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {args.tol:g})")
         if args.json:
             with open(args.json, "w") as f:

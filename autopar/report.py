@@ -104,8 +104,25 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
             nodes.add_row(n.name, n.op, n.location, n.strategy, _fmt_s(n.compute_s))
         con.print(nodes)
 
+    if plan.pipeline:
+        from autopar.pipeline import stage_rows
+        pl = plan.pipeline
+        stages = Table(title=f"pipeline: {len(pl['stages'])} stages, schedule {pl['schedule']}, "
+                             f"{pl['microbatches']} microbatches"
+                             + (f", {pl['virtual_stages']} virtual stages" if pl.get("virtual_stages", 1) > 1 else "")
+                             + f", bubble {pl.get('bubble_fraction', 0.0):.1%}", title_justify="left")
+        for col in ("stage", "layers", "devices", "submesh", "time", "memory"):
+            stages.add_column(col)
+        for index, layers, devices, submesh, seconds, memory in stage_rows(plan):
+            stages.add_row(str(index), layers, devices, submesh, _fmt_s(seconds), _fmt_bytes(memory))
+        con.print(stages)
+
     sv = plan.solver
+    wall = f", {sv['wall_s']:.2f} s" if sv.get("wall_s") is not None else ""
     con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {_fmt_s(sv['objective'])}, "
-              f"{sv['variables']} variables, {sv['constraints']} constraints, {sv['wall_s']:.2f} s")
+              f"{sv['variables']} variables, {sv['constraints']} constraints{wall}")
+    if plan.recompute.get("layers"):
+        layers = plan.recompute["layers"]
+        con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")
     for w in plan.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")

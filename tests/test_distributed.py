@@ -122,3 +122,20 @@ def test_cli_compile_codegen_and_run_the_program(tmp_path):
     proc = torchrun([str(tmp_path / "prog" / "train.py"), "--check"], 4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "agreement with single device" in proc.stdout
+
+
+def test_cli_pipelined_plan_codegen_and_run(tmp_path):
+    """pp=2 x tp=2, 4 microbatches, 1F1B: compile, show the stages, emit and run."""
+    plan = tmp_path / "plan.json"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "autopar.cli", *a], cwd=ROOT,  # noqa: E731
+                                    capture_output=True, text=True)
+    out = run("compile", "examples/gpt.py:small", "--mesh", "pp=2,tp=2", "--cluster",
+              "tests/fixtures/fastnet.json", "--microbatches", "4", "--schedule", "1f1b", "-o", str(plan))
+    assert out.returncode == 0, out.stderr
+    assert "pipeline: 2 stages, schedule 1f1b, 4 microbatches" in out.stdout
+    gen = run("codegen", str(plan), "-o", str(tmp_path / "prog"))
+    assert gen.returncode == 0, gen.stderr
+    assert (tmp_path / "prog" / "stage_0.py").exists() and (tmp_path / "prog" / "stage_1.py").exists()
+    proc = torchrun([str(tmp_path / "prog" / "train.py"), "--check"], 4)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "agreement with single device" in proc.stdout

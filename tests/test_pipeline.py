@@ -1,0 +1,252 @@
+"""Pipeline parallelism: layers and cuts, the stage search, the plan's pipeline
+section, planner decisions at scale, and equivalence with single-device
+training on gloo ranks (loss, gradients, parameters after 2 AdamW steps)."""
+import itertools
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from autopar.capture import capture
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+from autopar.pipeline import (
+    Schedule, bubble_fraction, compile_pipelined, evaluate, group_layers, profile, search_pipeline,
+    should_pipeline,
+)
+from autopar.pipeline_runtime import stage_graph
+from autopar.plan import Plan
+from conftest import ROOT, torchrun
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
+
+FAST = "tests/fixtures/fastnet.json"
+TOL = 1e-5
+
+
+# --- bubble and decision ------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule, p, m, v, expected", [
+    ("1f1b", 4, 8, 1, 3 / 8),
+    ("gpipe", 4, 8, 1, 3 / 8),
+    ("1f1b", 2, 4, 1, 1 / 4),
+    ("interleaved-1f1b", 4, 8, 2, 3 / 16),
+    ("interleaved-1f1b", 8, 96, 3, 7 / 288),
+    ("1f1b", 1, 1, 1, 0.0),
+])
+def test_bubble_fraction(schedule, p, m, v, expected):
+    assert bubble_fraction(schedule, p, m, v) == pytest.approx(expected)
+
+
+def test_bubble_fraction_rejects_bad_values():
+    with pytest.raises(AutoparError, match="p, m, v >= 1"):
+        bubble_fraction("1f1b", 0, 4)
+    with pytest.raises(ValueError):
+        bubble_fraction("zero-bubble", 2, 4)
+
+
+@pytest.mark.parametrize("pipelined, flat, expected", [
+    (None, 1.0, False),      # nothing pipelined fits
+    (1.0, None, True),       # nothing fits without pipelining
+    (0.90, 1.0, True),       # 10% faster
+    (0.97, 1.0, False),      # inside the 5% margin
+    (1.10, 1.0, False),
+])
+def test_should_pipeline(pipelined, flat, expected):
+    as_cand = lambda t: None if t is None else SimpleNamespace(step_s=t)  # noqa: E731
+    assert should_pipeline(as_cand(pipelined), as_cand(flat)) is expected
+
+
+# --- layers and cuts ------------------------------------------------------------------------
+
+def _gpt_graph(batch=2):
+    from gpt import small
+    model, (idx, target), loss_fn = small()
+    return capture(model, (idx[:batch], target[:batch]), loss_fn)
+
+
+def test_gpt_layers_and_cuts():
+    graph = _gpt_graph()
+    layers = group_layers(graph)
+    assert layers.names == ["tok", "pos", "blocks.0", "blocks.1", "ln", "head"]
+    assert layers.container == "blocks"
+    # the residual stream is the one tensor crossing each cut
+    assert [len(c) for c in layers.crossing] == [0, 1, 1, 1, 1, 1]
+    # arange (positions) and the flattened target depend on no parameter: each stage recomputes them
+    ops = {graph.nodes[n].op_name for n in layers.floating}
+    assert ops == {"arange", "flatten.using_ints"}
+    assert not layers.forbidden
+
+
+def test_skip_connections_cross_cuts_and_are_relayed():
+    from skipnet import small
+    model, (x, y), loss_fn = small()
+    graph = capture(model, (x[:2], y[:2]), loss_fn)
+    layers = group_layers(graph)
+    assert layers.names == ["inp", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "out"]
+    # before layers.3: the long residual, two U-Net skips and the running activation (the innermost
+    # skip-add is a top-level op, so it joins layers.2, the latest layer among its inputs)
+    ops = [graph.nodes[n].op_name for n in layers.crossing[4]]
+    assert ops == ["tanh", "relu", "relu", "add.Tensor"]
+    (x0,) = layers.crossing[1]  # used again by the final top-level add, which joins layers.5
+    assert all(x0 in layers.crossing[c] for c in range(1, layers.n - 1)) and x0 not in layers.crossing[-1]
+    middle = stage_graph(graph, layers, 2, 5)
+    relayed = set(middle.recv) & set(middle.sends)
+    assert x0 in relayed, "the long residual passes through the middle stage untouched"
+    last = stage_graph(graph, layers, 5, layers.n)
+    assert last.sends is None and last.graph.has_loss
+
+
+def test_tied_weights_cannot_be_split():
+    from gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2))
+    model.head.weight = model.tok.weight
+    idx = torch.randint(0, 256, (8, 32))
+    layers = group_layers(capture(model, (idx[:2], idx[:2]), lm_loss))
+    assert layers.forbidden == set(range(1, layers.n))
+    with pytest.raises(AutoparError, match="tied weights"):
+        compile_pipelined(model, (idx, idx), mesh="pp=2", cluster=FAST, loss_fn=lm_loss, microbatches=4)
+
+
+# --- the stage search ---------------------------------------------------------------------------
+
+def test_unequal_layers_get_balanced_stages():
+    """A big vocabulary makes the LM head cost 1.5 blocks: the search gives its
+    stage fewer blocks than an equal split would, and it is optimal."""
+    from gpt import GPT, GPTConfig, lm_loss
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=32768, seq=256, hidden=256, heads=4, layers=8)).to(torch.bfloat16)
+        idx = torch.zeros(16, 256, dtype=torch.long)
+    prof = profile(model, (idx, idx), lm_loss, Mesh((1,), ("tp",)), "dgx-a100", microbatch=2)
+    assert prof.names[-1] == "head" and prof.layers[-1].time_s > 1.3 * prof.layers[2].time_s
+    kw = dict(p=4, m=8, schedule=Schedule.ONE_F_ONE_B, v=1, recompute=False, budget=math.inf)
+    best = evaluate(prof, **kw)
+    blocks = [sum(1 for k in range(i, j) if prof.names[k].startswith("blocks.")) for i, j in best.ranges]
+    assert blocks[-1] < blocks[1], f"the head's stage keeps as many blocks ({blocks}) as a middle one"
+    equal = evaluate(prof, **kw, ranges=[(0, 4), (4, 6), (6, 8), (8, 12)])  # two blocks each
+    assert max(best.chunk_time_s) < 0.9 * max(equal.chunk_time_s)
+    assert best.step_s < equal.step_s
+    # the dynamic program finds the optimal bottleneck among all contiguous 4-way splits
+    n = len(prof.layers)
+    brute = min(max(evaluate(prof, **kw, ranges=list(zip((0, *cuts), (*cuts, n)))).chunk_time_s)
+                for cuts in itertools.combinations(range(1, n), 3))
+    assert max(best.chunk_time_s) == pytest.approx(brute)
+
+
+def test_pinned_pipeline_plan():
+    from gpt import small
+    model, inputs, loss_fn = small()
+    plan = compile_pipelined(model, inputs, mesh="pp=2,tp=2", cluster=FAST, loss_fn=loss_fn, microbatches=4,
+                             schedule="1f1b")
+    pipe = plan.pipeline
+    assert (pipe["schedule"], pipe["microbatches"], pipe["virtual_stages"], pipe["axis"]) == ("1f1b", 4, 1, "pp")
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 4)
+    stages = pipe["stages"]
+    assert [s["devices"] for s in stages] == [[0, 1], [2, 3]]
+    assert [s["submesh"] for s in stages] == [[2], [2]]
+    assert sum((s["layers"] for s in stages), []) == ["tok", "pos", "blocks.0", "blocks.1", "ln", "head"]
+    assert all(s["time_s"] > 0 and s["memory_bytes"] > 0 and s["nodes"] for s in stages)
+    assert {p["stage"] for p in plan.parameters.values()} == {0, 1}
+    assert plan.parameters["blocks.0.attn.q.weight"]["placements"] == ["R", "S(0)"]  # column-parallel in a stage
+    sends = [c for c in plan.collectives if c["kind"] == "send_recv"]
+    assert {(c["phase"], c["from_stage"], c["to_stage"]) for c in sends} == {("forward", 0, 1), ("backward", 1, 0)}
+    assert all(c["mesh_axes"] == ["pp"] and c["bytes"] == 2 * 32 * 64 * 4 for c in sends)  # a 2x32x64 fp32 microbatch
+    again = Plan.from_json(json.loads(plan.dumps()))
+    assert again.pipeline == plan.pipeline
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mesh": "pp=2,tp=2", "stages": 3}, "disagrees with the mesh"),
+    ({"mesh": "pp=2", "microbatches": 3}, "dividing the batch size"),
+    ({"mesh": "pp=2", "schedule": "zb"}, "is not one of"),
+    ({"mesh": "pp=2", "stages": 0}, "positive integer"),
+])
+def test_pipeline_arguments_are_checked(kwargs, message):
+    from gpt import small
+    model, inputs, loss_fn = small()
+    with pytest.raises(AutoparError, match=message):
+        compile_pipelined(model, inputs, cluster=FAST, loss_fn=loss_fn, **kwargs)
+
+
+# --- decisions at scale (meta device; priced by repetition) ---------------------------------------
+
+def _meta_gpt(layers, hidden, heads, seq, vocab, batch):
+    from gpt import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)).to(torch.bfloat16)
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (idx, idx)
+
+
+def test_no_pipeline_for_a_1_3b_gpt_on_one_node():
+    from gpt import lm_loss
+    model, inputs = _meta_gpt(24, 2048, 16, 2048, 51200, 32)
+    found = search_pipeline(model, inputs, world=8, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    assert found.repeated == ("blocks", 24, 2)
+    assert found.pipelined is not None and found.flat is not None
+    assert not found.pipeline, found.summary()
+    assert found.best.stages == 1
+
+
+def test_gpt3_175b_pipelines_across_nodes_with_tp_inside():
+    from gpt import lm_loss
+    model, inputs = _meta_gpt(96, 12288, 96, 2048, 51200, 1536)
+    plan = compile_pipelined(model, inputs, mesh=128 * 8, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    assert plan.solver["pipeline_search"]["decision"] == "pipeline"
+    axes = {t["name"]: t for t in plan.topology}
+    assert axes["pp"]["size"] > 1 and axes["pp"]["level"] == "inter-node"
+    assert axes["tp"]["size"] == 8 and axes["tp"]["level"] == "intra-node"
+    pipe = plan.pipeline
+    assert pipe["stages"][0]["layers"][:2] == ["tok", "pos"] and pipe["stages"][-1]["layers"][-1] == "head"
+    assert sum(len(s["layers"]) for s in pipe["stages"]) == 96 + 4
+    assert plan.predicted["peak_memory_bytes"] <= 80e9
+    # Megatron-LM reaches 138-148 TFLOP/s per A100 at this scale (Narayanan et al. SC'21, Table 1)
+    tflops = plan.predicted["model_flops"] / plan.predicted["step_time_s"] / 1024 / 1e12
+    assert 100 < tflops < 250
+    assert plan.parameters["blocks.50.mlp.fc.weight"]["placements"] == ["R", "R", "S(0)"]
+    Plan.from_json(json.loads(plan.dumps()))
+
+
+# --- equivalence on gloo ranks --------------------------------------------------------------
+
+def _check(tmp_path, nproc, mesh, sources, schedules, recompute="none"):
+    out = tmp_path / "report.json"
+    proc = torchrun(["-m", "autopar.pipeline_runtime", "--check", *sources, "--mesh", mesh, "--cluster", FAST,
+                     "--microbatches", "4", "--schedule", schedules, "--recompute", recompute, "--json", str(out)],
+                    nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = json.loads(out.read_text())
+    for r in reports:
+        label = f"{r['source']} {r['plan']['schedule']}"
+        assert r["loss_rel"] <= TOL and r["grad"] <= TOL and r["param"] <= TOL, label
+        assert r["eval_loss_rel"] <= TOL and r["reload"] <= TOL, label
+    return reports
+
+
+def test_two_stages_on_two_ranks(tmp_path):
+    reports = _check(tmp_path, 2, "pp=2", ["examples/gpt.py:small", "tests/fixtures/skipnet.py:small"],
+                     "1f1b,gpipe,interleaved-1f1b")
+    assert [(r["source"].split("/")[-1], r["plan"]["schedule"]) for r in reports] == [
+        (s, k) for s in ("gpt.py:small", "skipnet.py:small") for k in ("1f1b", "gpipe", "interleaved-1f1b")]
+    first = reports[0]
+    assert first["plan"]["microbatches"] == 4
+    # each rank holds (and its optimizer updates) only its own stage's parameters
+    rank0, rank1 = first["local_parameters_by_rank"]
+    assert "tok.weight" in rank0 and "head.weight" in rank1 and not set(rank0) & set(rank1)
+    interleaved = [r for r in reports if r["plan"]["schedule"] == "interleaved-1f1b"]
+    assert all(r["plan"]["virtual_stages"] > 1 for r in interleaved)
+
+
+def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
+    """Also with every block recomputed in backward (checkpointed inside its stage)."""
+    r, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:small"], "1f1b", "none,full")
+    assert recomputed["plan"]["recompute"] == {"mode": "full", "layers": ["blocks.0", "blocks.1"]}
+    assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1], [2, 3]]
+    assert any(p[1] != "R" for p in r["plan"]["parameters"].values()), "no tensor parallelism inside the stages"
+    by_rank = r["local_parameters_by_rank"]
+    assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3] and not set(by_rank[0]) & set(by_rank[2])
