@@ -56,6 +56,8 @@ class Candidate:
     memory_bytes: float
     chosen: bool
     transfers: list = field(default_factory=list)
+    over_budget: bool = False
+    """With this strategy instead, the plan's peak memory per device would exceed the budget."""
 
     @property
     def comm_s(self) -> float:
@@ -156,8 +158,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     precision = plan.predicted.get("precision")
     if precision and precision != "fp32":
         kwargs["precision"] = precision
-    ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), plan.model.get("optimizer", "adamw"),
-                           **kwargs)
+    optimizer = plan.predicted.get("optimizer") or plan.model.get("optimizer") or "adamw"
+    ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), optimizer, **kwargs)
     grad = needs_grad(graph)
     planned = {n.name: n for n in plan.nodes}
     node = graph.nodes[name]
@@ -193,6 +195,10 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     # cheapest first; among equals the chosen one first, then fewer bytes per device
     candidates.sort(key=lambda c: (round(c.total_s, 15), not c.chosen, c.memory_bytes))
     budget = plan.solver.get("memory_budget_bytes") or plan.predicted.get("memory_capacity_bytes", 0.0)
+    chosen_memory = next(c.memory_bytes for c in candidates if c.chosen)
+    peak = plan.predicted.get("peak_memory_bytes", 0.0)
+    for c in candidates:
+        c.over_budget = bool(budget) and peak - chosen_memory + c.memory_bytes > budget
     return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget)
 
 
@@ -220,7 +226,8 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
     rank = {id(c): i + 1 for i, c in enumerate(e.candidates)}
     for c in shown:
         rows.append(("*" if c.chosen else "", rank[id(c)], c.strategy, fmt_s(c.total_s), fmt_s(c.compute_s),
-                     fmt_s(c.comm_in_s), fmt_s(c.comm_out_s), fmt_bytes(c.memory_bytes)))
+                     fmt_s(c.comm_in_s), fmt_s(c.comm_out_s),
+                     fmt_bytes(c.memory_bytes) + (" (over budget)" if c.over_budget else "")))
     head = ("", "#", "strategy", "total", "compute", "comm in", "comm out", "memory/device")
     cells = [head] + [tuple(map(str, r)) for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
@@ -248,7 +255,7 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
         out.append(f"next best: {nxt.strategy} costs the same here ({fmt_s(nxt.total_s)}); the solver "
                    "picked one of equals")
     else:
-        why = ("it needs more memory than the budget allows" if nxt.memory_bytes > ch.memory_bytes else
+        why = ("it needs more memory than the budget allows" if nxt.over_budget else
                "the chosen one saves elsewhere: nodes of one layer class share their strategy, or the solver "
                "stopped within its optimality gap")
         out.append(f"cheaper here: {nxt.strategy} by {fmt_s(-gap)}; {why}")

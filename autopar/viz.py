@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import os
 import sys
 
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 
 
@@ -38,6 +39,17 @@ def page_data(plans: list[Plan], labels: list[str]) -> dict:
     return data
 
 
+def _finite(obj):
+    """JSON has no inf/NaN (a browser's JSON.parse rejects them): write null instead."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def render_html(plans: list[Plan], path: str, *, labels: list[str] | None = None, title: str | None = None) -> str:
     """Write the visualizer page for one plan, or two side by side, to ``path``; returns ``path``."""
     plans = list(plans)
@@ -46,7 +58,7 @@ def render_html(plans: list[Plan], path: str, *, labels: list[str] | None = None
     labels = list(labels) if labels else (["plan"] if len(plans) == 1 else ["A", "B"])
     if len(labels) != len(plans):
         raise AutoparError(f"{len(labels)} labels for {len(plans)} plans")
-    blob = json.dumps(page_data(plans, labels), separators=(",", ":"), allow_nan=False, default=str)
+    blob = json.dumps(_finite(page_data(plans, labels)), separators=(",", ":"), allow_nan=False, default=str)
     # inside <script> only "</" can end the element early; "<\/" is the same JSON string
     blob = blob.replace("</", "<\\/").replace("<!--", "<\\!--")
     title = title or "autopar plan: " + " vs ".join(
@@ -75,7 +87,7 @@ def viz_main(argv=None) -> int:
         if len(set(labels)) < len(labels):
             labels = list(args.plans)
         render_html(plans, args.output, labels=labels, title=args.title)
-    except (AutoparError, PlanError) as e:
+    except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -134,6 +146,7 @@ main { padding:12px 18px 40px; }
                    cursor:pointer; }
 .controls button:hover { background:#eef2f6; }
 .graph-wrap { overflow:auto; max-height:720px; border:1px solid var(--line); border-radius:4px; background:#fcfcfd; }
+.graph svg { display:block; margin:0 auto; }
 svg text { font-family:inherit; }
 .node rect.box { stroke:#57606a; stroke-width:1; }
 .node.param rect.box { stroke-dasharray:3 2; }
@@ -278,7 +291,7 @@ function indexPlan(plan) {
   const axes = plan.mesh.axis_names;
   return {byNode, byEdge, axes};
 }
-function commLines(cs, axesLabel) {
+function commLines(cs) {
   return cs.map((c) => [c.phase, c.kind + " on " + c.mesh_axes.join(",") + " " + fmtB(c.bytes) + " " +
                         fmtS(c.seconds) + (c.gradient_sync ? " (gradient sync)" : ""), true]);
 }
@@ -491,7 +504,8 @@ function Graph(plan, idx, container, controls, diffNames) {
                 stroke: st !== null ? STAGE_COLORS[st % STAGE_COLORS.length] : "#57606a"}, grp);
     const tg = sv("g", {class: "toggle", role: "button", "aria-expanded": "false"}, grp);
     sv("rect", {x: a.x, y: a.y, width: a.w, height: a.h, fill: "transparent"}, tg);
-    sv("text", {class: "title", x: a.x + 8, y: a.y + 17}, tg, clip("\u25b8 " + g.label, 26));
+    sv("text", {class: "title", x: a.x + 8, y: a.y + 17}, tg,
+       clip("\u25b8 " + g.label, st !== null ? 16 : 26) + (st !== null ? "  [stage " + st + "]" : ""));
     sv("text", {class: "meta", x: a.x + 8, y: a.y + 33}, tg,
        clip(`${s.ops} ops \u00b7 ${fmtS(s.compute)}` + (s.comm ? ` \u00b7 comm ${fmtS(s.comm)}` : ""), 32));
     tg.addEventListener("click", (e) => { e.stopPropagation(); expanded.add(g.path); render(); });
@@ -573,13 +587,49 @@ function Graph(plan, idx, container, controls, diffNames) {
   return {render, expanded, tree};
 }
 
+// The pipeline's physical stages. A plan lists either one entry per stage (its time_s covering all of its
+// virtual_stages chunks), or one entry per model chunk (p x v entries; chunk c runs on the devices of stage c % p).
+function pipelineStages(pipe) {
+  if (!pipe || !pipe.stages || !pipe.stages.length) return null;
+  const v = Math.max(1, pipe.virtual_stages || 1);
+  const entries = pipe.stages.slice().sort((a, b) => a.index - b.index);
+  const p = entries.length / v;
+  const key = (e) => (e.devices || []).join(",");
+  const perChunk = v > 1 && Number.isInteger(p) && p >= 1 && entries.every((e, c) => key(e) === key(entries[c % p]));
+  const stages = [];
+  if (perChunk) {
+    for (let s = 0; s < p; s++) {
+      const chunks = [];
+      for (let c = 0; c < v; c++) chunks.push(entries[c * p + s]);
+      stages.push({index: s, devices: entries[s].devices || [], memory_bytes: entries[s].memory_bytes || 0,
+                   layers: [].concat(...chunks.map((e) => e.layers || [])),
+                   chunks: chunks.map((e) => ({time_s: e.time_s || 0, forward_s: e.forward_s, backward_s: e.backward_s,
+                                               layers: e.layers || [], entry: e.index}))});
+    }
+  } else {
+    entries.forEach((e, s) => {
+      const chunks = [];
+      for (let c = 0; c < v; c++) {
+        chunks.push({time_s: (e.time_s || 0) / v, forward_s: e.forward_s !== undefined ? e.forward_s / v : undefined,
+                     backward_s: e.backward_s !== undefined ? e.backward_s / v : undefined, layers: e.layers || [],
+                     entry: e.index});
+      }
+      stages.push({index: s, devices: e.devices || [], memory_bytes: e.memory_bytes || 0, layers: e.layers || [],
+                   chunks});
+    });
+  }
+  return {stages, v, m: Math.max(1, pipe.microbatches || 1), kind: String(pipe.schedule || "1f1b").toLowerCase()};
+}
+
 function stageLookup(plan) {
-  const pipe = plan.pipeline;
-  if (!pipe || !pipe.stages) return () => null;
+  const ps = pipelineStages(plan.pipeline);
+  if (!ps) return () => null;
   return (path) => {
     if (!path) return null;
-    for (const s of pipe.stages) {
-      for (const l of (s.layers || [])) if (path === l || path.startsWith(l + ".")) return s.index;
+    for (const s of ps.stages) {
+      for (const c of s.chunks) {
+        for (const l of c.layers) if (path === l || path.startsWith(l + ".")) return s.index;
+      }
     }
     return null;
   };
@@ -599,7 +649,7 @@ function placementLegend(parent, plan) {
   const e = el("span", {}, lg);
   el("span", {class: "sw", style: "background:#cf222e;height:3px;border:0"}, e);
   e.appendChild(document.createTextNode("edge with resharding"));
-  const d = el("span", {}, lg, "stripes: output placement on each mesh axis (" + plan.mesh.axis_names.join(", ") + ")");
+  el("span", {}, lg, "stripes: output placement on each mesh axis (" + plan.mesh.axis_names.join(", ") + ")");
   return lg;
 }
 
@@ -675,14 +725,15 @@ function drawMesh(parent, plan) {
   const nNodes = Math.ceil(world / dpn);
   const showNodes = Math.min(nNodes, 8);
   const perRow = Math.min(dpn, 8);
-  const DS = 40, DG = 8, NP = 12;
+  const DS = 44, DG = 10, NP = 12, ARC = 10 + 8 * shape.length;  // room under each device row for the arcs
   const nodeW = perRow * (DS + DG) - DG + 2 * NP, nodeRows = Math.ceil(dpn / perRow);
-  const nodeH = nodeRows * (DS + DG) - DG + 2 * NP + 18;
+  const nodeH = nodeRows * (DS + DG + ARC) - DG + 2 * NP + 10;
   const nodesPerLine = Math.max(1, Math.min(showNodes, Math.floor(900 / (nodeW + 16)) || 1));
   const lines = Math.ceil(showNodes / nodesPerLine);
   const W = nodesPerLine * (nodeW + 16) + 10, H = lines * (nodeH + 16) + 10;
   const stageOfRank = {};
-  if (plan.pipeline && plan.pipeline.stages) for (const s of plan.pipeline.stages) for (const r of (s.devices || [])) stageOfRank[r] = s.index;
+  const ps = pipelineStages(plan.pipeline);
+  if (ps) for (const s of ps.stages) for (const r of s.devices) stageOfRank[r] = s.index;
   const svg = sv("svg", {width: Math.min(W, 900), viewBox: `0 0 ${W} ${H}`, class: "mesh-svg"}, parent);
   const pos = {};
   for (let k = 0; k < showNodes; k++) {
@@ -692,7 +743,7 @@ function drawMesh(parent, plan) {
     sv("text", {x: nx + NP, y: ny + 14, "font-size": 11, "font-weight": 600}, ng, `node ${k}  (${cl.name || "cluster"})`);
     for (let j = 0; j < dpn; j++) {
       const r = k * dpn + j;
-      const dx = nx + NP + (j % perRow) * (DS + DG), dy = ny + 22 + Math.floor(j / perRow) * (DS + DG);
+      const dx = nx + NP + (j % perRow) * (DS + DG), dy = ny + 22 + Math.floor(j / perRow) * (DS + DG + ARC);
       const used = r < world;
       const st = stageOfRank[r];
       const dg = sv("g", {class: "device" + (used ? "" : " idle"), "data-rank": used ? r : ""}, ng);
@@ -701,7 +752,7 @@ function drawMesh(parent, plan) {
                   stroke: used ? "#0969da" : "#afb8c1", "stroke-dasharray": used ? "" : "3 2"}, dg);
       if (used) {
         const c = coords(r, shape);
-        pos[r] = [dx + DS / 2, dy + DS / 2];
+        pos[r] = [dx + DS / 2, dy + DS];
         sv("text", {x: dx + DS / 2, y: dy + 16, "text-anchor": "middle", "font-size": 12, "font-weight": 600}, dg, "r" + r);
         sv("text", {x: dx + DS / 2, y: dy + 30, "text-anchor": "middle", "font-size": 9, fill: "#57606a"}, dg,
            "(" + c.join(",") + ")");
@@ -718,11 +769,11 @@ function drawMesh(parent, plan) {
     if (size < 2) return;
     const c0 = coords(0, shape), pts = [];
     for (let i = 0; i < size; i++) { const c = c0.slice(); c[a] = i; const r = rankOf(c, shape); if (pos[r]) pts.push(pos[r]); }
-    const off = (a - (shape.length - 1) / 2) * 5;
+    const off = (a - (shape.length - 1) / 2) * 6;
     for (let i = 0; i + 1 < pts.length; i++) {
       const [x1, y1] = pts[i], [x2, y2] = pts[i + 1];
-      const mx = (x1 + x2) / 2, my = (y1 + y2) / 2 - 18 - 8 * a;
-      sv("path", {d: `M${x1 + off},${y1 + off} Q${mx},${my} ${x2 + off},${y2 + off}`, fill: "none",
+      const mx = (x1 + x2) / 2, my = Math.max(y1, y2) + 2 * (6 + 7 * (shape.length - 1 - a));
+      sv("path", {d: `M${x1 + off},${y1} Q${mx},${my} ${x2 + off},${y2}`, fill: "none",
                   stroke: AXIS_COLORS[a % AXIS_COLORS.length], "stroke-width": 2.5, opacity: 0.85,
                   class: "axis-link", "data-axis": names[a]}, svg);
     }
@@ -759,8 +810,8 @@ function drawMemory(parent, plan) {
   const p = plan.predicted, m = p.memory || {}, cap = p.memory_capacity_bytes || 0;
   const world = plan.mesh.shape.reduce((a, b) => a * b, 1);
   const rows = [];
-  const pipe = plan.pipeline;
-  if (pipe && pipe.stages && pipe.stages.length) {
+  const pipe = pipelineStages(plan.pipeline);
+  if (pipe) {
     for (const s of pipe.stages) {
       const devs = s.devices || [];
       rows.push({label: `stage ${s.index}` + (devs.length ? ` (ranks ${rangeText(devs)})` : ""),
@@ -768,13 +819,18 @@ function drawMemory(parent, plan) {
                  total: s.memory_bytes || 0});
     }
   }
-  const parts = MEM_KINDS.map(([k, c]) => [k, m[k] || 0, c]);
+  const kinds = MEM_KINDS.concat(Object.keys(m).filter((k) => !MEM_KINDS.some(([n]) => n === k))
+    .map((k, i) => [k, ["#9c755f", "#76b7b2", "#edc948"][i % 3]]));
+  const parts = kinds.map(([k, c]) => [k, m[k] || 0, c]);
+  // the kinds add up to more than the peak when they are not all live at once (activations are freed as
+  // gradients appear); the bar shows every kind and a black tick marks the predicted peak
+  const held = sum(parts.map((x) => x[1]));
   rows.unshift({label: pipe ? "peak device, by kind" : `each device (ranks 0\u2013${world - 1})`, parts,
-                total: p.peak_memory_bytes || sum(parts.map((x) => x[1]))});
-  const maxUse = Math.max(...rows.map((r) => r.total), 1);
+                total: p.peak_memory_bytes || held, held});
+  const maxUse = Math.max(...rows.map((r) => Math.max(r.total, r.held || 0)), 1);
   const scaleToCap = cap > 0 && maxUse / cap > 0.1;
   const full = scaleToCap ? Math.max(cap, maxUse) : maxUse * 1.05;
-  const W = 640, LW = 150, BW = W - LW - 200, RH = 24;
+  const W = 660, LW = 150, BW = W - LW - 220, RH = 24;
   const H = rows.length * (RH + 12) + 34;
   const svg = sv("svg", {width: "100%", viewBox: `0 0 ${W} ${H}`, class: "memory-svg"}, parent);
   rows.forEach((r, i) => {
@@ -792,7 +848,14 @@ function drawMemory(parent, plan) {
       x += w;
     }
     sv("text", {x: LW + BW + 6, y: y + 16, "font-size": 11, fill: "#24292f"}, g,
-       `${fmtB(r.total)}` + (cap ? ` (${fmtPct(r.total / cap)} of ${fmtB(cap)})` : ""));
+       (r.held !== undefined ? "peak " : "") + fmtB(r.total) + (cap ? ` (${fmtPct(r.total / cap)} of ${fmtB(cap)})` : ""));
+    if (r.held !== undefined && Math.abs(r.held - r.total) > 1e-6 * r.held) {
+      const px = LW + (BW * r.total) / full;
+      const tick = sv("line", {x1: px, x2: px, y1: y - 4, y2: y + RH + 4, stroke: "#24292f", "stroke-width": 2.5,
+                               class: "peak"}, g);
+      hoverable(tick, () => ["predicted peak", [["peak", fmtB(r.total)], ["all kinds together", fmtB(r.held)],
+                                                ["why less", "activations are freed as gradients appear"]]]);
+    }
     if (cap && cap <= full) {
       const cx = LW + (BW * cap) / full;
       sv("line", {x1: cx, x2: cx, y1: y - 3, y2: y + RH + 3, stroke: "#cf222e", "stroke-width": 2, class: "capacity"}, g);
@@ -800,7 +863,7 @@ function drawMemory(parent, plan) {
   });
   const ly = H - 12;
   let lx = 0;
-  for (const [k, c] of MEM_KINDS) {
+  for (const [k, c] of kinds) {
     sv("rect", {x: lx, y: ly - 9, width: 10, height: 10, fill: c}, svg);
     sv("text", {x: lx + 13, y: ly, "font-size": 11}, svg, k);
     lx += 16 + k.length * 7;
@@ -893,15 +956,14 @@ function scheduleOrder(kind, S, m, v) {
   return orders;
 }
 function simulateSchedule(pipe) {
-  const stages = pipe.stages.slice().sort((a, b) => a.index - b.index);
-  const S = stages.length, m = Math.max(1, pipe.microbatches || 1), v = Math.max(1, pipe.virtual_stages || 1);
-  const kind = String(pipe.schedule || "1f1b").toLowerCase();
+  const {stages, v, m, kind} = pipelineStages(pipe);
+  const S = stages.length;
   const orders = scheduleOrder(kind === "gpipe" ? "gpipe" : "1f1b", S, m, v);
-  const dur = stages.map((s) => {
-    const t = s.time_s || 0;
-    const f = s.forward_s !== undefined ? s.forward_s : t / 3, b = s.backward_s !== undefined ? s.backward_s : t - f;
-    return {F: f / v, B: b / v};
-  });
+  // a chunk's time_s is its forward + backward per microbatch; backward ~ 2x forward unless given
+  const dur = stages.map((s) => s.chunks.map((c) => {
+    const f = c.forward_s !== undefined ? c.forward_s : c.time_s / 3;
+    return {F: f, B: c.backward_s !== undefined ? c.backward_s : c.time_s - f};
+  }));
   const key = (type, vs, mb) => type + ":" + vs + ":" + mb;
   const end = {}, ptr = new Array(S).fill(0), free = new Array(S).fill(0), ops = [];
   let progress = true, left = sum(orders.map((o) => o.length));
@@ -916,7 +978,7 @@ function simulateSchedule(pipe) {
         if (o.type === "B") dep = vs < S * v - 1 ? key("B", vs + 1, o.mb) : key("F", vs, o.mb);
         if (dep !== null && !(dep in end)) break;
         const start = Math.max(free[s], dep !== null ? end[dep] : 0);
-        const stop = start + dur[s][o.type];
+        const stop = start + dur[s][o.chunk][o.type];
         end[key(o.type, vs, o.mb)] = stop;
         free[s] = stop;
         ops.push({stage: s, type: o.type, mb: o.mb, chunk: o.chunk, start, stop});
@@ -934,7 +996,7 @@ function drawSchedule(parent, plan) {
   const sim = simulateSchedule(pipe);
   el("div", {class: "schedule-summary"}, parent,
      `${sim.kind} \u00b7 ${sim.S} stages \u00b7 ${sim.m} microbatches` + (sim.v > 1 ? ` \u00b7 ${sim.v} chunks per stage` : "") +
-     ` \u00b7 one step ${fmtS(sim.makespan)} \u00b7 idle (bubble) ${fmtPct(sim.bubble)} of stage time` +
+     ` \u00b7 simulated from the stage times: ${fmtS(sim.makespan)} per step, idle (bubble) ${fmtPct(sim.bubble)} of stage time` +
      (plan.predicted.bubble_s !== undefined ? ` \u00b7 predicted bubble ${fmtS(plan.predicted.bubble_s)}` : ""));
   if (!sim.complete) el("div", {class: "warn"}, parent, "the schedule's order has a dependency it cannot meet; drawn up to there");
   const W = 900, LW = 120, TW = W - LW - 10, RH = 24;
@@ -958,7 +1020,7 @@ function drawSchedule(parent, plan) {
                    o.type + o.mb + (sim.v > 1 ? "." + o.chunk : ""));
     hoverable(g, () => [`${o.type === "F" ? "forward" : "backward"} of microbatch ${o.mb}` + (sim.v > 1 ? `, chunk ${o.chunk}` : ""),
                         [["stage", String(sim.stages[o.stage].index)], ["start", fmtS(o.start)], ["duration", fmtS(o.stop - o.start)],
-                         ["layers", (sim.stages[o.stage].layers || []).join(", ")]]]);
+                         ["layers", clip(sim.stages[o.stage].chunks[o.chunk].layers.join(", "), 120)]]]);
   }
   for (let i = 0; i <= 4; i++) {
     const t = (sim.makespan * i) / 4, x = X(t);
