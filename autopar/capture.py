@@ -122,6 +122,9 @@ def _module_path(node: fx.Node) -> str:
     return path
 
 
+ASSERTIONS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
 def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``)."""
     if not isinstance(model, nn.Module):
@@ -182,6 +185,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         if n.op == "placeholder":
             kind, fqn, idx = kinds[n.name]
             nodes[n.name] = Node(n.name, kind, fqn=fqn, outputs=[_meta(n.meta["val"])], input_index=idx)
+        elif n.op == "call_function" and n.target in ASSERTIONS:
+            continue  # checks of metadata export adds (e.g. for .to()); nothing to shard or run
         elif n.op == "call_function":
             nodes[n.name] = _op_node(n, nodes)
         elif n.op == "output":

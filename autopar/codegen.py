@@ -63,8 +63,8 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.Gr
     consumers = graph.consumers()
     done = set()
     for src in graph.gm.graph.nodes:
-        if src.name in done:
-            continue
+        if src.name in done or (src.op == "call_function" and src.name not in graph.nodes):
+            continue  # already emitted in a recomputed layer, or an export assertion
         if src.name not in region_of:
             emit.node(main, env, src)
             continue
@@ -155,8 +155,13 @@ class _Emitter:
             return
         plan_node = specs[src.name]
         if src.target is operator.getitem:
-            env[src.name] = g.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
-            env[src.name].name = src.name
+            item = g.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
+            want = plan_node.input_specs[0]
+            if specs[src.args[0].name].output_spec != want:  # the producer's outputs share its placement
+                item.name = f"{src.name}_item"
+                item = g.call_function(spmd.reshard, (item, want))
+            item.name = src.name
+            env[src.name] = item
             return
         counter = iter(range(len(node.inputs)))
 

@@ -120,7 +120,9 @@ class _ToPartial(torch.autograd.Function):
 
 
 def _grad_placements(placements, splits) -> tuple:
-    """Where the gradient of an op input lands (see cost_models.resharding.grad_spec)."""
+    """Where the gradient of an op input lands (see cost_models.resharding.grad_spec):
+    ``splits[a]`` is true where the op splits its work over axis a or makes a
+    Partial output (then a replicated input's local gradient is one summand)."""
     out = []
     for p, split in zip(placements, splits):
         if isinstance(p, Partial):
@@ -139,7 +141,7 @@ def _unwrap(args, kwargs, out_spec: tuple):
         if isinstance(v, (list, tuple)):
             dts.extend(a for a in v if isinstance(a, DTensor))
     splits = [any(isinstance(p, Shard) for p in (*(d.placements[a] for d in dts), out_spec[a]))
-              for a in range(len(out_spec))]
+              or isinstance(out_spec[a], Partial) for a in range(len(out_spec))]
 
     def un(a):
         if isinstance(a, DTensor):
@@ -166,7 +168,7 @@ def op(node: str, fn, spec: str, *args, **kwargs):
     out_spec = _spec(spec, mesh.ndim)
     largs, lkwargs = _unwrap(args, kwargs, out_spec)
     try:
-        out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, largs, lkwargs, args)
+        out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, out_spec, largs, lkwargs, args)
     except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
         placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
         raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
@@ -222,8 +224,28 @@ def output(x):
 
 # --- local implementations that need to know their shard -----------------
 
-def _plain(fn, mesh, args, kwargs, dargs):
+def _plain(fn, mesh, out_spec, args, kwargs, dargs):
     return fn(*args, **kwargs)
+
+
+def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
+    """cross_entropy / nll_loss with a mean over a batch split: this rank's loss
+    sum over the global count of targets that are not ignore_index, so the
+    Partial sum over ranks is the single-device mean. The count is all-reduced
+    (a 4-byte all-reduce on the split axes, the one collective inside an op)."""
+    partial = [a for a, p in enumerate(out_spec) if isinstance(p, Partial)]
+    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+    if not partial or reduction != 1:
+        return fn(*args, **kwargs)
+    target = args[1]
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    summed = list(args) + [None] * (4 - len(args))  # (input, target, weight, reduction, ...)
+    summed[3] = 2  # torch's Reduction.Sum
+    total = fn(*summed, **{k: v for k, v in kwargs.items() if k != "reduction"})
+    count = (target != ignore).sum().to(total.dtype)
+    placements = [Partial() if a in partial else Replicate() for a in range(mesh.ndim)]
+    count = DTensor.from_local(count.detach(), mesh, placements, run_check=False).full_tensor()
+    return total / count
 
 
 def _shard_index(mesh, placements, dim: int) -> tuple[int, int]:
@@ -237,7 +259,7 @@ def _shard_index(mesh, placements, dim: int) -> tuple[int, int]:
     return index, count
 
 
-def _embedding(fn, mesh, args, kwargs, dargs):
+def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
     """Lookup in this rank's rows of the table: ids outside them give zeros, so
     over a vocabulary split the result is a Partial (sum)."""
     w, idx, *rest = args
@@ -250,4 +272,8 @@ def _embedding(fn, mesh, args, kwargs, dargs):
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
-LOCAL_IMPLS = {torch.ops.aten.embedding.default: _embedding}
+LOCAL_IMPLS = {
+    torch.ops.aten.embedding.default: _embedding,
+    torch.ops.aten.cross_entropy_loss.default: _mean_loss,
+    torch.ops.aten.nll_loss.default: _mean_loss,
+}

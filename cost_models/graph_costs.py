@@ -10,7 +10,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 
 from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
@@ -105,7 +105,10 @@ def needs_grad(graph: Graph) -> set:
 
 
 def splits(strategy: Strategy, n_axes: int) -> tuple:
-    return tuple(strategy.splits(a) for a in range(n_axes))
+    """Per axis: does a replicated input get a Partial gradient? Yes where the
+    op divides its work, or where its output is Partial (each rank's local
+    gradient is then one summand)."""
+    return tuple(strategy.splits(a) or isinstance(strategy.output[a], Partial) for a in range(n_axes))
 
 
 def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[float, float]:

@@ -139,3 +139,22 @@ def test_cli_pipelined_plan_codegen_and_run(tmp_path):
     proc = torchrun([str(tmp_path / "prog" / "train.py"), "--check"], 4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "agreement with single device" in proc.stdout
+
+
+MODELS = ["examples/llama.py:small", "examples/bert.py:small", "examples/vit.py:small",
+          "examples/resnet.py:small", "examples/moe.py:small", "examples/cnn.py:small"]
+
+
+def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
+    """Llama, BERT, ViT, ResNet, MoE and a CNN: solved plans on a 1-D and a 2-D
+    mesh train like one device (one launch for all of them)."""
+    out = tmp_path / "report.json"
+    proc = torchrun(["-m", "autopar.verify", *MODELS, "--mesh", "4", "--mesh", "2x2",
+                     "--cluster", "tests/fixtures/fastnet.json", "--json", str(out)], 4, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+    reports = json.loads(out.read_text())
+    assert sorted({(r["source"], r["mesh"]) for r in reports}) == sorted((m, mesh) for m in MODELS for mesh in "4 2x2".split())
+    assert_agrees(reports)
+    for r in reports:  # every plan splits work over the devices
+        assert any("S(" in s for s in r["plan"]["strategies"].values()), r["label"]

@@ -61,6 +61,8 @@ _SPATIAL = {
     aten.adaptive_max_pool1d.default: 1, aten.adaptive_max_pool2d.default: 2, aten.adaptive_max_pool3d.default: 3,
     aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3,
     aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3,
+    aten.max_pool1d_with_indices.default: 1, aten.max_pool2d_with_indices.default: 2,
+    aten.max_pool3d_with_indices.default: 3,
 }
 _AVERAGING = {aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
               aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default}

@@ -41,15 +41,15 @@ _REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean
 
 @register(aten.cross_entropy_loss.default, aten.nll_loss.default)
 def cross_entropy_rule(info: OpInfo):
-    """Batch split. With mean reduction the per-shard means are averaged, which
-    equals the global mean when no target is ignored (ignore_index)."""
+    """Batch split, without class weights. A mean over the targets that are not
+    ignore_index is a Partial sum of (local loss sum / global target count);
+    the runtime all-reduces the count (autopar/spmd.py, _mean_loss)."""
     x = info.inputs[0]
     reduction = _REDUCTION[info.arg(3, "reduction", 1)]
     n_in = len(info.inputs)
     rows = [Row(R, (R,) * n_in)]
-    if x.shape[0] > 1 and x.ndim >= 1:
-        out = S(0) if reduction is None else Partial(reduction)
-        rows.append(Row(out, (S(0), S(0)) + (R,) * (n_in - 2)))
+    if x.ndim >= 1 and x.shape[0] > 1 and n_in == 2:
+        rows.append(Row(S(0) if reduction is None else P, (S(0), S(0))))
     return rows
 
 

@@ -60,6 +60,11 @@ def linear_pointwise_rule(info: OpInfo):
     rows = broadcast_rows(info)
     if info.target is aten.dropout.default and info.arg(1, "p", 0.0) > 0 and info.arg(2, "train", True):
         return rows  # a random mask is not linear across partial summands
+    if info.target in (aten.add.Tensor, aten.sub.Tensor) and len(info.inputs) < 2:
+        return rows  # every rank would add the scalar to its summand
+    if info.target in CONVERSIONS and not (info.inputs[0].dtype.is_floating_point
+                                           and info.out.dtype.is_floating_point):
+        return rows  # rounding to an integer does not commute with the sum
     if info.inputs and all(m.shape == info.out.shape for m in info.inputs):
         rows.append(Row(P, (P,) * len(info.inputs)))
     return rows

@@ -1,0 +1,151 @@
+"""A small decoder with Mixtral-style mixture-of-experts MLPs (Jiang et al.
+2024, "Mixtral of Experts"; Shazeer et al. 2017; Fedus et al. 2022): each
+token's router logits go through a softmax, the top-2 experts are kept and
+their weights renormalised; every expert is a SwiGLU MLP, and the experts'
+weights are stored batched as (experts, in, out) tensors.
+
+Dispatch is dense: every expert runs on every token (einsum over the batched
+weights) and a (tokens, experts) combine matrix, zero except at each token's two
+experts, mixes the results. Shapes are static and nothing is dropped, so the
+sharded program can match the single-device one exactly."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    vocab: int = 256
+    seq: int = 16
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 64
+    experts: int = 4
+    top_k: int = 2
+    layers: int = 2
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq: int, head_dim: int, theta: float):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings, as in Mixtral."""
+
+    def __init__(self, cfg: "MoEConfig"):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, h = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts with batched weights w1, w3: (E, h, f), w2: (E, f, h)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        if not 1 <= cfg.top_k <= cfg.experts:
+            raise ValueError(f"top_k ({cfg.top_k}) must be between 1 and experts ({cfg.experts})")
+        self.top_k, self.experts = cfg.top_k, cfg.experts
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        e, h, f = cfg.experts, cfg.hidden, cfg.ffn
+        self.w1 = nn.Parameter(torch.randn(e, h, f) / h ** 0.5)  # gate
+        self.w3 = nn.Parameter(torch.randn(e, h, f) / h ** 0.5)  # up
+        self.w2 = nn.Parameter(torch.randn(e, f, h) / f ** 0.5)  # down
+
+    def forward(self, x):
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        probs = F.softmax(self.router(tokens), dim=-1)                          # (t, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)                 # (t, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # (t, E) combine weights; an int one-hot times float weights is float (no .to(), which
+        # torch.export records as an _assert_tensor_metadata node that capture rejects today)
+        combine = (F.one_hot(chosen, self.experts) * weights[..., None]).sum(dim=1)
+        gate = torch.einsum("th,ehf->etf", tokens, self.w1)
+        up = torch.einsum("th,ehf->etf", tokens, self.w3)
+        y = torch.einsum("etf,efh->eth", F.silu(gate) * up, self.w2)            # (E, t, h)
+        return torch.einsum("te,eth->th", combine, y).reshape(b, s, h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.moe(self.moe_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        cos, sin = rope_tables(cfg.seq, cfg.hidden // cfg.heads, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def small(batch: int = 8):
+    """FACTORY for the CLI: a 2-layer decoder with 4-expert top-2 MoE MLPs, its batch and loss."""
+    torch.manual_seed(0)
+    cfg = MoEConfig()
+    model = MoETransformer(cfg)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    return model, (idx, target), lm_loss

@@ -1,0 +1,783 @@
+"""Sharding rules by table, every registered rule checked for exactness on
+simulated ranks, and every example model captured without an op that lacks a rule.
+
+The exactness check takes each strategy of a rule on a 1-D mesh of 4 (and a
+few two-axis combinations on a 2x2 mesh), places the inputs as it says under
+LocalTensorMode (4 simulated ranks with real values, fake process group; a
+Partial input is split into random summands), runs the op exactly as the
+emitted program does (``autopar.spmd.op`` / ``reshape`` / ``factory``: the op
+on local shards), and requires that the output, reassembled from the per-rank
+values by the planned placement, equals the single-device op, and that the
+input gradients for a random cotangent equal the single-device gradients on
+every rank.
+
+Rows found wrong are listed in KNOWN_WRONG with the reason (strict xfail).
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.ops import aten
+from torch.utils import _pytree as pytree
+
+from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
+from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
+
+WORLD = 4
+
+# ---------------------------------------------------------------------------
+# Inputs
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def x(*shape, seed=0, positive=False):
+    t = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
+    return t.abs() + 0.5 if positive else t
+
+
+def idx(*shape, high, seed=0):
+    return torch.randint(0, high, shape, generator=_gen(seed))
+
+
+def mask(*shape, seed=0):
+    return torch.rand(*shape, generator=_gen(seed)) > 0.3
+
+
+@dataclass
+class Sample:
+    target: object
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    name: str = ""
+    values: bool = True
+    """Compare values (False for ops whose values are undefined, e.g. empty)."""
+    frozen: tuple = ()
+    """Tensor inputs (by position among the tensors) that never need a gradient, e.g. running stats."""
+
+    @property
+    def id(self) -> str:
+        op = str(self.target).replace("aten.", "")
+        return f"{op}[{self.name}]" if self.name else op
+
+
+def call(target, *args, name="", values=True, frozen=(), **kwargs) -> Sample:
+    return Sample(target, args, kwargs, name, values, frozen)
+
+
+X = x(4, 8, 12)
+Y = x(4, 8, 12, seed=1)
+
+# One or more representative calls per registered op. Alphabetical by op.
+SAMPLES = [
+    call(aten._log_softmax.default, X, -1, False),
+    call(aten._softmax.default, X, 1, False),
+    call(aten._to_copy.default, X, dtype=torch.float32),
+    call(aten._to_copy.default, X * 4, dtype=torch.int64, name="to_int"),
+    call(aten._to_copy.default, X, dtype=torch.bool, name="to_bool"),
+    call(aten._unsafe_view.default, X, [32, 12]),
+    call(aten.abs.default, X),
+    call(aten.adaptive_avg_pool2d.default, x(4, 8, 6, 6), [1, 1], name="global"),
+    call(aten.adaptive_avg_pool2d.default, x(4, 8, 6, 6), [3, 2]),
+    call(aten.adaptive_avg_pool1d.default, x(4, 8, 6), [2]),
+    call(aten.adaptive_max_pool2d.default, x(4, 8, 6, 6), [2, 2]),
+    call(aten.adaptive_avg_pool3d.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.adaptive_max_pool1d.default, x(4, 8, 6), [3]),
+    call(aten.adaptive_max_pool3d.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.add.Tensor, X, x(12, seed=1), name="bcast"),
+    call(aten.add.Tensor, X, Y, name="same"),
+    call(aten.add.Tensor, X, Y, alpha=2.0, name="alpha"),
+    call(aten.add.Tensor, X, x(4, 1, 12, seed=1), name="bcast_mid"),
+    call(aten.add.Tensor, X, 1.5, name="scalar"),
+    call(aten.addmm.default, x(12, seed=2), x(8, 16), x(16, 12, seed=1), name="bias1d"),
+    call(aten.addmm.default, x(8, 12, seed=2), x(8, 16), x(16, 12, seed=1), name="bias2d"),
+    call(aten.alias.default, X),
+    call(aten.amax.default, X, [1], False),
+    call(aten.amax.default, X, [-1], True, name="keepdim"),
+    call(aten.amin.default, X, [0, 2], False),
+    call(aten.arange.default, 8),
+    call(aten.arange.start, 2, 10),
+    call(aten.arange.start_step, 0, 16, 2),
+    call(aten.avg_pool1d.default, x(4, 8, 6), [2]),
+    call(aten.avg_pool2d.default, x(4, 8, 6, 6), [2, 2]),
+    call(aten.avg_pool2d.default, x(4, 8, 7, 7), [3, 3], [2, 2], [1, 1], False, False, name="nopad_count"),
+    call(aten.avg_pool3d.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.baddbmm.default, x(4, 8, 12, seed=2), x(4, 8, 16), x(4, 16, 12, seed=1)),
+    call(aten.baddbmm.default, x(12, seed=2), x(4, 8, 16), x(4, 16, 12, seed=1), name="bias1d"),
+    call(aten.batch_norm.default, x(8, 4, 6, 6), x(4, seed=1), x(4, seed=2), None, None, True, 0.1, 1e-5, False,
+       name="train"),
+    call(aten.batch_norm.default, x(8, 4, 6, 6), None, None, None, None, True, 0.1, 1e-5, False,
+       name="train_noaffine"),
+    call(aten.batch_norm.default, x(8, 4, 6, 6), x(4, seed=1), x(4, seed=2), x(4, seed=3), x(4, seed=4, positive=True),
+       False, 0.1, 1e-5, False, name="eval", frozen=(3, 4)),
+    call(aten.bitwise_not.default, mask(4, 8)),
+    call(aten.bmm.default, x(4, 8, 16), x(4, 16, 12, seed=1)),
+    call(aten.broadcast_tensors.default, [X, x(12, seed=1)]),
+    call(aten.broadcast_tensors.default, [X, Y], name="same"),
+    call(aten.cat.default, [X, x(4, 8, 4, seed=1)], -1),
+    call(aten.cat.default, [X, Y], 0, name="dim0"),
+    call(aten.chunk.default, X, 2, 1),
+    call(aten.clamp.default, X, -0.5, 0.5),
+    call(aten.clone.default, X),
+    call(aten.contiguous.default, X),
+    call(aten.conv1d.default, x(4, 8, 10), x(12, 8, 3, seed=1), x(12, seed=2), [1], [1]),
+    call(aten.conv2d.default, x(4, 8, 6, 6), x(12, 8, 3, 3, seed=1), x(12, seed=2), [1, 1], [1, 1]),
+    call(aten.conv2d.default, x(4, 8, 6, 6), x(12, 8, 2, 2, seed=1), None, [2, 2], name="nobias_stride"),
+    call(aten.conv2d.default, x(4, 8, 6, 6), x(8, 4, 3, 3, seed=1), x(8, seed=2), [1, 1], [1, 1], [1, 1], 2,
+       name="groups"),
+    call(aten.conv2d.padding, x(4, 8, 6, 6), x(12, 8, 3, 3, seed=1), x(12, seed=2), [1, 1], "same", name="same"),
+    call(aten.conv1d.padding, x(4, 8, 10), x(12, 8, 3, seed=1), None, [1], "same"),
+    call(aten.conv2d.default, x(8, 6, 6), x(12, 8, 3, 3, seed=1), x(12, seed=2), name="unbatched"),
+    call(aten.conv3d.padding, x(4, 4, 4, 4, 4), x(8, 4, 3, 3, 3, seed=1), None, [1, 1, 1], "valid"),
+    call(aten.conv_transpose1d.default, x(4, 8, 6), x(8, 12, 3, seed=1), x(12, seed=2), [2]),
+    call(aten.conv_transpose2d.input, x(4, 8, 6, 6), x(8, 12, 3, 3, seed=1), x(12, seed=2), [2, 2], [1, 1], [1, 1]),
+    call(aten.conv_transpose2d.input, x(4, 8, 6, 6), x(8, 6, 3, 3, seed=1), None, [1, 1], [0, 0], [0, 0], 2,
+       name="groups"),
+    call(aten.conv_transpose3d.input, x(4, 4, 4, 4, 4), x(4, 8, 2, 2, 2, seed=1)),
+    call(aten.conv3d.default, x(4, 4, 4, 4, 4), x(8, 4, 3, 3, 3, seed=1), x(8, seed=2)),
+    call(aten.convolution.default, x(4, 8, 6, 6), x(12, 8, 3, 3, seed=1), x(12, seed=2), [1, 1], [1, 1], [1, 1],
+       False, [0, 0], 1),
+    call(aten.convolution.default, x(4, 8, 6, 6), x(8, 12, 3, 3, seed=1), x(12, seed=2), [2, 2], [1, 1], [1, 1],
+       True, [1, 1], 1, name="transposed"),
+    call(aten.cos.default, X),
+    call(aten.cross_entropy_loss.default, x(8, 12), idx(8, high=12), name="mean"),
+    call(aten.cross_entropy_loss.default, x(8, 12), idx(8, high=12), None, 2, name="sum"),
+    call(aten.cross_entropy_loss.default, x(8, 12), idx(8, high=12), None, 0, name="none"),
+    call(aten.cross_entropy_loss.default, x(4, 12, 8), idx(4, 8, high=12), name="classdim1"),
+    call(aten.cross_entropy_loss.default, x(8, 12), idx(8, high=12), x(12, positive=True), name="weight",
+       frozen=(2,)),
+    call(aten.cross_entropy_loss.default, x(8, 12), torch.tensor([3, -100, 4, 5, 6, -100, -100, 1]),
+       name="ignore_index"),
+    call(aten.cross_entropy_loss.default, x(8, 12), idx(8, high=12), None, 1, -100, 0.1, name="smoothing"),
+    call(aten.cumsum.default, X, 1),
+    call(aten.cumsum.default, idx(4, 8, high=3), -1, name="int"),
+    call(aten.detach.default, X),
+    call(aten.div.Scalar, X, 3.0),
+    call(aten.div.Tensor, X, x(12, seed=1, positive=True), name="bcast"),
+    call(aten.div.Tensor, X, x(4, 8, 12, seed=1, positive=True), name="same"),
+    call(aten.div.Tensor, X, 3.0, name="scalar"),
+    call(aten.dropout.default, X, 0.0, True, name="p0"),
+    call(aten.dropout.default, X, 0.5, False, name="eval"),
+    call(aten.einsum.default, "th,ehf->etf", [x(8, 12), x(4, 12, 16, seed=1)], name="moe_up"),
+    call(aten.einsum.default, "etf,efh->eth", [x(4, 8, 16), x(4, 16, 12, seed=1)], name="moe_down"),
+    call(aten.einsum.default, "te,eth->th", [x(8, 4), x(4, 8, 12, seed=1)], name="moe_combine"),
+    call(aten.einsum.default, "bij,bjk", [x(4, 8, 12), x(4, 12, 8, seed=1)], name="implicit"),
+    call(aten.einsum.default, "...ij,jk->...ik", [x(4, 8, 12), x(12, 8, seed=1)], name="ellipsis"),
+    call(aten.einsum.default, "ii->i", [x(8, 8)], name="diagonal"),
+    call(aten.einsum.default, "ij->", [x(8, 12)], name="sum_all"),
+    call(aten.embedding.default, x(16, 8), idx(4, 8, high=16)),
+    call(aten.empty.memory_format, [4, 8], values=False),
+    call(aten.empty_like.default, X, values=False),
+    call(aten.eq.Scalar, idx(4, 8, high=3), 1),
+    call(aten.eq.Tensor, idx(4, 8, high=3), idx(8, high=3, seed=1)),
+    call(aten.erf.default, X),
+    call(aten.exp.default, X),
+    call(aten.expand.default, x(4, 1, 12), [4, 8, 12]),
+    call(aten.expand.default, x(8, 12), [4, 8, 12], name="lead"),
+    call(aten.flatten.using_ints, X, 0, 1),
+    call(aten.flatten.using_ints, X, 1, 2, name="inner"),
+    call(aten.full.default, [4, 8], 1.5),
+    call(aten.full_like.default, X, 2.0),
+    call(aten.ge.Scalar, X, 0.1),
+    call(aten.gelu.default, X),
+    call(aten.gelu.default, X, approximate="tanh", name="tanh"),
+    call(aten.gather.default, X, 2, idx(4, 8, 5, high=12)),
+    call(aten.gather.default, X, 1, idx(4, 3, 12, high=8), name="short_index"),
+    call(aten.group_norm.default, x(8, 8, 6, 6), 4, x(8, seed=1), x(8, seed=2), 1e-5),
+    call(aten.gt.Scalar, X, 0.1),
+    call(aten.l1_loss.default, X, Y),
+    call(aten.l1_loss.default, X, Y, 0, name="none"),
+    call(aten.layer_norm.default, X, [12], x(12, seed=1), x(12, seed=2), 1e-5),
+    call(aten.layer_norm.default, X, [8, 12], x(8, 12, seed=1), x(8, 12, seed=2), 1e-5, name="2d"),
+    call(aten.index_select.default, X, 1, torch.tensor([3, 0, 7, 7])),
+    call(aten.le.Scalar, X, 0.1),
+    call(aten.linear.default, x(4, 8, 16), x(12, 16, seed=1), x(12, seed=2)),
+    call(aten.linear.default, x(8, 16), x(12, 16, seed=1), name="nobias"),
+    call(aten.log.default, x(4, 8, 12, positive=True)),
+    call(aten.log_softmax.int, X, -1),
+    call(aten.logical_not.default, mask(4, 8)),
+    call(aten.lt.Scalar, X, 0.1),
+    call(aten.masked_fill.Scalar, X, mask(8, 12), -1e9),
+    call(aten.matmul.default, x(4, 8, 16), x(16, 12, seed=1)),
+    call(aten.matmul.default, x(4, 8, 16), x(4, 16, 12, seed=1), name="batched"),
+    call(aten.matmul.default, x(8, 16), x(16, seed=1), name="vector"),
+    call(aten.max_pool1d.default, x(4, 8, 6), [2]),
+    call(aten.max_pool2d.default, x(4, 8, 6, 6), [2, 2]),
+    call(aten.max_pool2d.default, x(8, 6, 6), [2, 2], name="unbatched"),
+    call(aten.max_pool2d.default, x(4, 8, 7, 7), [3, 3], [2, 2], [1, 1], name="padded"),
+    call(aten.max_pool3d.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.max_pool1d_with_indices.default, x(4, 8, 6), [2]),
+    call(aten.max_pool2d_with_indices.default, x(4, 8, 6, 6), [2, 2]),
+    call(aten.max_pool3d_with_indices.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.maximum.default, X, Y),
+    call(aten.mean.default, X),
+    call(aten.mean.dim, X, [-1], True),
+    call(aten.mean.dim, X, [0, 1], name="two"),
+    call(aten.minimum.default, X, x(12, seed=1)),
+    call(aten.mm.default, x(8, 16), x(16, 12, seed=1)),
+    call(aten.mse_loss.default, X, Y),
+    call(aten.mse_loss.default, X, Y, 2, name="sum"),
+    call(aten.mse_loss.default, X, Y, 0, name="none"),
+    call(aten.mul.Scalar, X, 2.0),
+    call(aten.mul.Tensor, X, x(12, seed=1), name="bcast"),
+    call(aten.mul.Tensor, X, Y, name="same"),
+    call(aten.mul.Tensor, X, 2.0, name="scalar"),
+    call(aten.mul.Tensor, idx(8, 4, high=2), x(8, 1, seed=1), name="promote"),
+    call(aten.narrow.default, X, 1, 2, 4),
+    call(aten.ne.Scalar, idx(4, 8, high=3), 0),
+    call(aten.neg.default, X),
+    call(aten.nll_loss.default, torch.log_softmax(x(8, 12), -1), idx(8, high=12)),
+    call(aten.one_hot.default, idx(8, 4, high=6), 6),
+    call(aten.ones.default, [4, 8]),
+    call(aten.ones_like.default, X),
+    call(aten.permute.default, X, [2, 0, 1]),
+    call(aten.pow.Tensor_Scalar, X, 2),
+    call(aten.reciprocal.default, x(4, 8, 12, positive=True)),
+    call(aten.relu.default, X),
+    call(aten.reshape.default, X, [4, 96]),
+    call(aten.reshape.default, X, [32, 12], name="merge_lead"),
+    call(aten.reshape.default, X, [4, 8, 3, 4], name="split_last"),
+    call(aten.reshape.default, x(4, 2, 2, 8, 4), [4, 4, 8, 4], name="repeat_kv"),
+    call(aten.rms_norm.default, X, [12], x(12, seed=1), 1e-5),
+    call(aten.rsqrt.default, x(4, 8, 12, positive=True)),
+    call(aten.scalar_tensor.default, 2.0),
+    call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 4, 8, 8, seed=1), x(4, 4, 8, 8, seed=2),
+       is_causal=True, name="causal"),
+    call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 4, 8, 8, seed=1), x(4, 4, 8, 8, seed=2),
+       mask(4, 1, 1, 8), name="mask"),
+    call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 2, 8, 8, seed=1), x(4, 2, 8, 8, seed=2),
+       is_causal=True, enable_gqa=True, name="gqa"),
+    call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 4, 8, 8, seed=1), x(4, 4, 8, 8, seed=2),
+       x(4, 4, 8, 8, seed=3), name="float_mask"),
+    call(aten.select.int, X, 1, 3),
+    call(aten.scatter.src, torch.zeros(4, 8, 12, dtype=torch.float64), 2, idx(4, 8, 5, high=12),
+       x(4, 8, 5, seed=1)),
+    call(aten.scatter_add.default, X, 1, idx(4, 8, 12, high=8), Y),
+    call(aten.sigmoid.default, X),
+    call(aten.silu.default, X),
+    call(aten.sin.default, X),
+    call(aten.slice.Tensor, X, 2, 0, 6),
+    call(aten.slice.Tensor, X, -1, 6, 12, name="neg_dim"),
+    call(aten.softmax.int, X, -1),
+    call(aten.split.Tensor, X, 4, -1),
+    call(aten.split_with_sizes.default, X, [4, 8], 2),
+    call(aten.sqrt.default, x(4, 8, 12, positive=True)),
+    call(aten.square.default, X),
+    call(aten.squeeze.dim, x(4, 1, 12), 1),
+    call(aten.squeeze.dims, x(4, 1, 12), [1]),
+    call(aten.stack.default, [X, Y], 1),
+    call(aten.sub.Tensor, X, Y),
+    call(aten.sub.Tensor, X, 1.5, name="scalar"),
+    call(aten.sum.default, X),
+    call(aten.sum.dim_IntList, X, [1]),
+    call(aten.sum.dim_IntList, X, [-1], True, name="keepdim"),
+    call(aten.t.default, x(8, 12)),
+    call(aten.tanh.default, X),
+    call(aten.to.dtype, X, torch.float32),
+    call(aten.to.dtype, X * 4, torch.int64, name="to_int"),
+    call(aten.to.dtype_layout, X, dtype=torch.float32),
+    call(aten.topk.default, X, 3),
+    call(aten.topk.default, X, 2, 1, name="dim1"),
+    call(aten.transpose.int, X, 0, 2),
+    call(aten.type_as.default, X, x(12, seed=1).float()),
+    call(aten.unbind.int, X, 0),
+    call(aten.unflatten.int, X, 2, [3, 4]),
+    call(aten.unsqueeze.default, X, 1),
+    call(aten.view.default, X, [4, 96]),
+    call(aten.where.self, mask(8, 12), X, x(12, seed=1)),
+    call(aten.zeros.default, [4, 8]),
+    call(aten.zeros_like.default, X),
+]
+
+# Rows found wrong in existing rules. Each entry: (sample id, strategy) -> why.
+# strict xfail: once the rule is fixed the test fails and the entry must go.
+KNOWN_WRONG: dict = {}
+
+
+# ---------------------------------------------------------------------------
+# The harness
+
+
+def op_info(target, args, kwargs) -> OpInfo:
+    """The OpInfo capture would build for this call (tensors become TensorArg)."""
+    metas = []
+
+    def lift(a):
+        if isinstance(a, torch.Tensor):
+            m = TensorMeta(tuple(a.shape), a.dtype)
+            metas.append(m)
+            return TensorArg(len(metas) - 1, m)
+        return a
+
+    largs = pytree.tree_map(lift, args)
+    lkwargs = pytree.tree_map(lift, kwargs)
+    out = target(*args, **kwargs)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return OpInfo(target, largs, lkwargs, metas, [TensorMeta(tuple(t.shape), t.dtype) for t in outs])
+
+
+def strategies_for(sample: Sample, mesh_shape) -> list:
+    info = op_info(sample.target, sample.args, sample.kwargs)
+    rows = get_rule(sample.target).fn(info)
+    return expand_to_mesh(rows, mesh_shape, [m.shape for m in info.inputs], [m.shape for m in info.outputs])
+
+
+def _coords(mesh_shape) -> list[tuple]:
+    """Mesh coordinate of each rank (row-major, as DeviceMesh numbers them)."""
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def _summands(v: torch.Tensor, op: str, n: int, g: torch.Generator) -> list[torch.Tensor]:
+    """n local values that reduce with ``op`` to ``v``."""
+    if v.dtype == torch.bool:
+        raise AssertionError("a Partial placement on a bool tensor")
+
+    def noise():
+        if v.dtype.is_floating_point:
+            return torch.randn(v.shape, generator=g, dtype=v.dtype)
+        return torch.randint(-5, 5, v.shape, generator=g, dtype=v.dtype)
+
+    if op == "sum":
+        parts = [noise() for _ in range(n - 1)]
+        return parts + [v - sum(parts)]
+    if op == "avg":
+        offsets = [noise() for _ in range(n - 1)]
+        return [v + o for o in offsets] + [v - sum(offsets)]
+    owner = torch.randint(0, n, v.shape, generator=g)  # max / min: one rank holds the value
+    sign = -1 if op == "max" else 1
+    return [torch.where(owner == k, v, v + sign * (torch.rand(v.shape, generator=g, dtype=v.dtype) + 0.1))
+            for k in range(n)]
+
+
+def place(t: torch.Tensor, spec, mesh_shape, seed: int) -> dict:
+    """rank -> local value of ``t`` placed as ``spec`` (Partial values are random summands)."""
+    coords = _coords(mesh_shape)
+    vals = {r: t for r in range(len(coords))}
+    g = _gen(seed)
+    for axis, p in enumerate(spec):
+        n = mesh_shape[axis]
+        if isinstance(p, Shard):
+            vals = {r: torch.chunk(v, n, p.dim)[coords[r][axis]] for r, v in vals.items()}
+        elif isinstance(p, Partial):
+            groups: dict = {}
+            for r, c in enumerate(coords):
+                groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+            for members in groups.values():
+                parts = _summands(vals[members[0]], p.reduce_op, n, g)
+                for r in members:
+                    vals[r] = parts[coords[r][axis]]
+    return vals
+
+
+def assemble(vals: dict, spec, mesh_shape) -> torch.Tensor:
+    """The global value that per-rank local values stand for under ``spec``
+    (the inverse of ``place``; raises if a Replicate axis holds different values)."""
+    cur = {c: vals[r] for r, c in enumerate(_coords(mesh_shape))}
+    for axis in reversed(range(len(mesh_shape))):
+        p = spec[axis]
+        groups: dict = {}
+        for c, v in sorted(cur.items()):
+            groups.setdefault(c[:axis], []).append(v)
+        nxt = {}
+        for key, parts in groups.items():
+            if isinstance(p, Shard):
+                nxt[key] = torch.cat(parts, p.dim)
+            elif isinstance(p, Replicate):
+                for k, v in enumerate(parts[1:], 1):
+                    if not torch.equal(v, parts[0]):
+                        raise AssertionError(f"a Replicate value differs between coordinates 0 and {k} of axis {axis}")
+                nxt[key] = parts[0]
+            else:
+                st = torch.stack(parts)
+                nxt[key] = {"sum": st.sum(0), "avg": st.mean(0) if st.is_floating_point() else st.sum(0) // len(parts),
+                            "max": st.amax(0), "min": st.amin(0)}[p.reduce_op]
+        cur = nxt
+    return cur[()]
+
+
+def _same_placement(actual, planned) -> bool:
+    if isinstance(planned, Partial):
+        return type(actual) is Partial and actual.reduce_op == planned.reduce_op
+    return actual == planned
+
+
+def _local_values(t) -> dict:
+    from torch.distributed._local_tensor import LocalTensor
+
+    return dict(t._local_tensors) if isinstance(t, LocalTensor) else {r: t for r in range(WORLD)}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    tol = dict(rtol=1e-6, atol=1e-8) if a.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    return torch.allclose(a, b, equal_nan=True, **tol)
+
+
+def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
+    """Run the op as the emitted program does (autopar.spmd), on DTensor arguments."""
+    from autopar import spmd
+    from autopar.codegen import RESHAPES
+    from autopar.passes.rules.misc import FACTORIES
+
+    a, kw = pytree.tree_unflatten(args, spec)
+    out_spec = fmt_spec(strategy.output)
+    with spmd.use_mesh(mesh):
+        if sample.target in FACTORIES:
+            return spmd.factory(sample.target, *a, **kw)
+        if sample.target in RESHAPES:
+            ref_shape = sample.target(*sample.args, **sample.kwargs).shape
+            shape = list(local_shape(ref_shape, strategy.output, mesh_shape))
+            return spmd.reshape("node", sample.target, out_spec, a[0], shape)
+        return spmd.op("node", sample.target, out_spec, *a, **kw)
+
+
+def _reference(sample: Sample, flat, spec, tensors):
+    """Single-device outputs, cotangents, and the input gradients they give."""
+    differentiable = [i for k, i in enumerate(tensors) if flat[i].dtype.is_floating_point and k not in sample.frozen]
+    ref_flat = list(flat)
+    for i in differentiable:
+        ref_flat[i] = flat[i].clone().requires_grad_()
+    a, kw = pytree.tree_unflatten(ref_flat, spec)
+    refs = [t for t in pytree.tree_leaves(sample.target(*a, **kw)) if isinstance(t, torch.Tensor)]
+    cots = [torch.randn(r.shape, generator=_gen(100 + k), dtype=r.dtype) if r.dtype.is_floating_point else None
+            for k, r in enumerate(refs)]
+    grads = {}
+    if any(r.requires_grad for r in refs):
+        sum((r * c).sum() for r, c in zip(refs, cots) if c is not None and r.requires_grad).backward()
+        grads = {i: ref_flat[i].grad for i in differentiable if ref_flat[i].grad is not None}
+    return [r.detach() for r in refs], cots, grads
+
+
+def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
+    """Run ``sample`` with its inputs placed as ``strategy`` says on simulated
+    ranks (LocalTensorMode), through autopar.spmd (the emitted program's
+    runtime); back-propagate a random cotangent; return what differs from the
+    single-device op, in value, output placement or input gradient."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat, spec = pytree.tree_flatten((sample.args, sample.kwargs))
+    tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    refs, cots, ref_grads = _reference(sample, flat, spec, tensors)
+    local_in = {i: place(flat[i], s, mesh_shape, seed=1000 + k)
+                for k, (i, s) in enumerate(zip(tensors, strategy.inputs))}
+
+    leaves = {}
+    with LocalTensorMode(WORLD):
+        mesh = init_device_mesh("cpu", tuple(mesh_shape))
+        args = list(flat)
+        for i, s in zip(tensors, strategy.inputs):
+            args[i] = DTensor.from_local(LocalTensor(local_in[i]), mesh, s, run_check=False,
+                                         shape=flat[i].shape, stride=flat[i].stride())
+            if i in ref_grads:
+                args[i] = args[i].detach().requires_grad_()
+                leaves[i] = args[i]
+        outs = [t for t in pytree.tree_leaves(_call(sample, strategy, args, spec, mesh, mesh_shape))
+                if isinstance(t, torch.Tensor)]
+        got = [(t.placements, t.shape, _local_values(t.to_local())) for t in outs]
+        got_grads = {}
+        if leaves:
+            loss = sum((o.full_tensor() * c).sum() for o, c in zip(outs, cots) if c is not None and o.requires_grad)
+            loss.backward()
+            got_grads = {i: _local_values(leaf.grad.full_tensor()) if leaf.grad is not None else None
+                         for i, leaf in leaves.items()}
+
+    if len(got) != len(refs):
+        return [f"{len(got)} outputs, expected {len(refs)}"]
+    # spmd turns a planned Partial(avg) into Partial(sum) of local means / n
+    want = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
+    problems = []
+    for k, ((placements, shape, local_vals), r) in enumerate(zip(got, refs)):
+        if not all(_same_placement(a, b) for a, b in zip(placements, want)):
+            problems.append(f"output {k}: placed {fmt_spec(placements)}, the row says {fmt_spec(strategy.output)}")
+            continue
+        if tuple(shape) != tuple(r.shape):
+            problems.append(f"output {k}: global shape {tuple(shape)}, expected {tuple(r.shape)}")
+            continue
+        if not sample.values:
+            continue
+        try:
+            full = assemble(local_vals, placements, mesh_shape)
+        except AssertionError as e:
+            problems.append(f"output {k}: {e}")
+            continue
+        if not _close(full, r):
+            err = (full.double() - r.double()).abs().max().item() if full.shape == r.shape else "shape"
+            problems.append(f"output {k}: values differ from the single-device op (max abs error {err})")
+    for i, want_grad in ref_grads.items():
+        have = got_grads.get(i)
+        if have is None:
+            problems.append(f"input {tensors.index(i)}: no gradient")
+            continue
+        wrong = [r for r, v in sorted(have.items()) if not _close(v, want_grad)]
+        if wrong:
+            err = max((have[r] - want_grad).abs().max().item() for r in wrong)
+            problems.append(f"input {tensors.index(i)}: gradient differs on ranks {wrong} (max abs error {err})")
+    return problems
+
+
+class _RankMesh:
+    """The little of a DeviceMesh a local implementation asks: this rank's coordinate."""
+
+    def __init__(self, coord: tuple, mesh_shape):
+        self.coord, self.shape, self.ndim = coord, tuple(mesh_shape), len(mesh_shape)
+
+    def get_coordinate(self):
+        return list(self.coord)
+
+    def size(self, axis: int = 0) -> int:
+        return self.shape[axis]
+
+
+class _Placed:
+    """What a local implementation reads of its DTensor arguments."""
+
+    def __init__(self, placements):
+        self.placements = tuple(placements)
+
+
+# Local implementations that read the rank's coordinate as a Python int, which
+# LocalTensorMode cannot simulate: checked rank by rank instead.
+RANK_BY_RANK = {aten.embedding.default}
+
+
+def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
+    """Forward check of an op that has its own local implementation in
+    autopar.spmd (the masked embedding lookup), rank by rank on plain tensors:
+    such implementations compute with the rank's coordinate, which
+    LocalTensorMode cannot carry into Python integers."""
+    from autopar import spmd
+
+    flat, spec = pytree.tree_flatten((sample.args, sample.kwargs))
+    tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    local_in = {i: place(flat[i], s, mesh_shape, seed=1000 + k)
+                for k, (i, s) in enumerate(zip(tensors, strategy.inputs))}
+    placed = list(flat)
+    for i, s in zip(tensors, strategy.inputs):
+        placed[i] = _Placed(s)
+    dargs, _ = pytree.tree_unflatten(placed, spec)
+    outs = {}
+    for r, c in enumerate(_coords(mesh_shape)):
+        a, kw = pytree.tree_unflatten([local_in[i][r] if i in local_in else v for i, v in enumerate(flat)], spec)
+        outs[r] = spmd.LOCAL_IMPLS[sample.target](sample.target, _RankMesh(c, mesh_shape), strategy.output,
+                                                  a, kw, dargs)
+    out_spec = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
+    full = assemble(outs, out_spec, mesh_shape)
+    ref = sample.target(*sample.args, **sample.kwargs)
+    if not _close(full, ref):
+        return [f"output: values differ from the single-device op (max abs error {(full - ref).abs().max().item()})"]
+    return []
+
+
+def check(sample: Sample, strategy, mesh_shape) -> list[str]:
+    from autopar import spmd
+
+    if sample.target in RANK_BY_RANK and any(
+            not isinstance(p, Replicate) for s in strategy.inputs for p in s):
+        return run_local_impl(sample, strategy, mesh_shape)
+    return run_strategy(sample, strategy, mesh_shape)
+
+
+def _axis_rows(strategy) -> list[str]:
+    """The single-axis rows a strategy combines, printed."""
+    return [str(Strategy(tuple((s[a],) for s in strategy.inputs), (strategy.output[a],)))
+            for a in range(len(strategy.output))]
+
+
+MESH_2D = (2, 2)
+PER_SAMPLE_2D = 2
+
+
+def _strategy_params(mesh_shape):
+    params = []
+    for sample in SAMPLES:
+        if get_rule(sample.target) is None:
+            params.append(pytest.param(sample, None, id=f"{sample.id}-NO_RULE"))
+            continue
+        strategies = strategies_for(sample, mesh_shape)
+        if len(mesh_shape) > 1:  # the genuinely 2-D combinations, a few per op
+            mixed = [st for st in strategies
+                     if all(any(not isinstance(p[a], Replicate) for p in (*st.inputs, st.output)) for a in range(2))]
+            strategies = mixed[:: max(1, len(mixed) // PER_SAMPLE_2D)][:PER_SAMPLE_2D]
+        for st in strategies:
+            wrong = [KNOWN_WRONG[(sample.id, r)] for r in _axis_rows(st) if (sample.id, r) in KNOWN_WRONG]
+            marks = [pytest.mark.xfail(strict=True, reason=wrong[0])] if wrong else []
+            params.append(pytest.param(sample, st, id=f"{sample.id}-{st}", marks=marks))
+    return params
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != WORLD:
+            pytest.skip(f"a process group of world size {dist.get_world_size()} is already initialised")
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sample,strategy", _strategy_params((WORLD,)))
+def test_row_is_exact(fake_world, sample, strategy):
+    """Every row of every registered rule, on a 1-D mesh of 4."""
+    assert strategy is not None, f"no rule registered for {sample.target}"
+    problems = check(sample, strategy, (WORLD,))
+    assert not problems, f"{sample.id} {strategy}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("sample,strategy", _strategy_params(MESH_2D))
+def test_rows_combine_on_2d_mesh(fake_world, sample, strategy):
+    """A few two-axis combinations of different rows per op, on a 2x2 mesh."""
+    assert strategy is not None, f"no rule registered for {sample.target}"
+    problems = check(sample, strategy, MESH_2D)
+    assert not problems, f"{sample.id} {strategy}: " + "; ".join(problems)
+
+
+def test_every_registered_op_has_a_sample():
+    sampled = {str(s.target) for s in SAMPLES}
+    assert [op for op in registered_ops() if op not in sampled] == []
+
+
+# ---------------------------------------------------------------------------
+# The new rules by table: sample -> strategies on a 1-D mesh of 4, printed.
+
+_BY_ID = {s.id: s for s in SAMPLES}
+
+RULE_TABLE = [
+    ("conv2d.default", ["(S(0), R, R) -> S(0)", "(R, S(0), S(0)) -> S(1)", "(S(1), S(1), P) -> P", "(R, R, R) -> R"]),
+    ("conv2d.default[nobias_stride]", ["(S(0), R) -> S(0)", "(R, S(0)) -> S(1)", "(S(1), S(1)) -> P", "(R, R) -> R"]),
+    ("conv2d.default[groups]", ["(S(0), R, R) -> S(0)", "(R, R, R) -> R"]),
+    ("conv2d.default[unbatched]", ["(R, S(0), S(0)) -> S(0)", "(S(0), S(1), P) -> P", "(R, R, R) -> R"]),
+    ("conv_transpose2d.input", ["(S(0), R, R) -> S(0)", "(R, S(1), S(0)) -> S(1)", "(S(1), S(0), P) -> P",
+                                "(R, R, R) -> R"]),
+    ("convolution.default[transposed]", ["(S(0), R, R) -> S(0)", "(R, S(1), S(0)) -> S(1)", "(S(1), S(0), P) -> P",
+                                         "(R, R, R) -> R"]),
+    ("batch_norm.default[train]", ["(S(1), S(0), S(0)) -> S(1)", "(R, R, R) -> R"]),
+    ("batch_norm.default[train_noaffine]", ["(S(1)) -> S(1)", "(R) -> R"]),
+    ("batch_norm.default[eval]", ["(S(1), S(0), S(0), S(0), S(0)) -> S(1)", "(S(0), R, R, R, R) -> S(0)",
+                                  "(R, R, R, R, R) -> R"]),
+    ("group_norm.default", ["(S(0), R, R) -> S(0)", "(R, R, R) -> R"]),
+    ("max_pool2d.default", ["(S(0)) -> S(0)", "(S(1)) -> S(1)", "(R) -> R"]),
+    ("max_pool2d.default[unbatched]", ["(S(0)) -> S(0)", "(R) -> R"]),
+    ("adaptive_avg_pool2d.default[global]", ["(S(0)) -> S(0)", "(S(1)) -> S(1)", "(P) -> P", "(R) -> R"]),
+    ("einsum.default[moe_up]", ["(R, S(0)) -> S(0)", "(S(0), R) -> S(1)", "(R, S(2)) -> S(2)", "(S(1), S(1)) -> P",
+                                "(R, R) -> R"]),
+    ("einsum.default[moe_combine]", ["(S(0), S(1)) -> S(0)", "(R, S(2)) -> S(1)", "(S(1), S(0)) -> P", "(R, R) -> R"]),
+    ("einsum.default[ellipsis]", ["(S(0), R) -> S(0)", "(S(1), R) -> S(1)", "(R, S(1)) -> S(2)", "(S(2), S(0)) -> P",
+                                  "(R, R) -> R"]),
+    ("einsum.default[diagonal]", ["(R) -> R"]),
+    ("einsum.default[sum_all]", ["(S(0)) -> P", "(S(1)) -> P", "(R) -> R"]),
+    ("topk.default", ["(S(0)) -> S(0)", "(S(1)) -> S(1)", "(R) -> R"]),
+    ("topk.default[dim1]", ["(S(0)) -> S(0)", "(S(2)) -> S(2)", "(R) -> R"]),
+    ("one_hot.default", ["(S(0)) -> S(0)", "(S(1)) -> S(1)", "(R) -> R"]),
+    ("cumsum.default", ["(S(0)) -> S(0)", "(S(2)) -> S(2)", "(P) -> P", "(R) -> R"]),
+    ("cumsum.default[int]", ["(S(0)) -> S(0)", "(R) -> R"]),
+    ("broadcast_tensors.default", ["(S(0), R) -> S(0)", "(S(1), R) -> S(1)", "(S(2), S(0)) -> S(2)", "(R, R) -> R"]),
+    ("broadcast_tensors.default[same]", ["(S(0), S(0)) -> S(0)", "(S(1), S(1)) -> S(1)", "(S(2), S(2)) -> S(2)",
+                                         "(R, R) -> R", "(P, P) -> P"]),
+    ("gather.default[short_index]", ["(S(0), S(0)) -> S(0)", "(S(2), S(2)) -> S(2)", "(R, R) -> R"]),
+    ("scatter.src", ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)", "(R, R, R) -> R"]),
+    ("index_select.default", ["(S(0), R) -> S(0)", "(S(2), R) -> S(2)", "(R, S(0)) -> S(1)", "(R, R) -> R"]),
+]
+
+
+@pytest.mark.parametrize("sample_id,expected", RULE_TABLE, ids=[t[0] for t in RULE_TABLE])
+def test_rule_table(sample_id, expected):
+    strategies = strategies_for(_BY_ID[sample_id], (WORLD,))
+    assert [str(s) for s in strategies] == expected
+
+
+def test_one_hot_with_inferred_classes_is_replicated():
+    sample = Sample(aten.one_hot.default, (idx(8, 4, high=6),), {})
+    assert [str(s) for s in strategies_for(sample, (WORLD,))] == ["(R) -> R"]
+
+
+def test_conv_rules_are_costed_as_matmuls():
+    for op in (aten.conv2d.default, aten.convolution.default, aten.einsum.default):
+        assert get_rule(op).matmul
+
+
+EINSUM_FORMS = [
+    ("bij,bjk", [3, 3], "bij,bjk->ik"),  # implicit output: letters seen once, sorted
+    ("ij,jk -> ik", [2, 2], "ij,jk->ik"),
+    ("...ij,jk->...ik", [4, 2], "ABij,jk->ABik"),
+    ("...ij,...jk", [3, 4], "Bij,ABjk->ABik"),
+    ("ba", [2], "ba->ab"),
+]
+
+
+@pytest.mark.parametrize("equation,ndims,expected", EINSUM_FORMS)
+def test_normalize_equation(equation, ndims, expected):
+    from autopar.passes.rules.extra import normalize_equation
+
+    assert normalize_equation(equation, ndims) == expected
+
+
+def test_normalize_equation_rejects_wrong_operand_count():
+    from autopar.errors import AutoparError
+    from autopar.passes.rules.extra import normalize_equation
+
+    with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
+        normalize_equation("ij,jk->ik", [2])
+
+
+# ---------------------------------------------------------------------------
+# Example models: each captures, and every op in it has a rule.
+
+MODELS = ["bert", "cnn", "gpt", "llama", "mlp", "moe", "resnet", "vit"]
+
+
+def _factory(name: str, attr: str = "small"):
+    return getattr(importlib.import_module(name), attr)  # conftest puts examples/ on sys.path
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_example_captures_with_a_rule_for_every_op(name):
+    from autopar.capture import NodeKind, capture
+
+    model, inputs, loss_fn = _factory(name)(batch=8)
+    graph = capture(model, inputs, loss_fn)
+    ops = [n for n in graph.nodes.values() if n.kind is NodeKind.OP and n.target is not operator.getitem]
+    assert ops, f"{name}: no ops captured"
+    missing = sorted({n.op_name for n in ops if get_rule(n.target) is None})
+    assert missing == [], f"{name}: ops without a sharding rule: {missing}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_example_factory_is_deterministic_and_trains(name):
+    model, inputs, loss_fn = _factory(name)(batch=4)
+    again, inputs2, _ = _factory(name)(batch=4)
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), f"{name}: parameter {k} differs between two calls of the factory"
+    assert all(torch.equal(a, b) for a, b in zip(inputs, inputs2))
+    loss = loss_fn(model(*inputs[:-1]), inputs[-1])
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters()), f"{name}: a parameter gets no gradient"
+
+
+def test_mlp_make_is_configurable():
+    model, (x, y), _ = _factory("mlp", "make")(batch=6, hidden=24, d_in=10, d_out=3, layers=3)
+    assert x.shape == (6, 10) and y.shape == (6, 3) and model(x).shape == (6, 3)
+    assert [layer.out_features for layer in model.layers] == [24, 24, 3]
+
+
+def test_resnet_batch_norm_keeps_no_running_stats():
+    model, _, _ = _factory("resnet")()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(m.running_mean is None for m in norms)
