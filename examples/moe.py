@@ -28,6 +28,10 @@ class MoEConfig:
     layers: int = 2
     eps: float = 1e-5
     rope_theta: float = 10000.0
+    grouped: bool = False
+    """GShard-style dispatch: tokens are placed into per-expert slots
+    (experts, batch, seq, hidden) within their sequence (the group), so a
+    batch split and an expert split of the same tensor meet in an all-to-all."""
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +87,7 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= cfg.top_k <= cfg.experts:
             raise ValueError(f"top_k ({cfg.top_k}) must be between 1 and experts ({cfg.experts})")
-        self.top_k, self.experts = cfg.top_k, cfg.experts
+        self.top_k, self.experts, self.grouped = cfg.top_k, cfg.experts, cfg.grouped
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
         e, h, f = cfg.experts, cfg.hidden, cfg.ffn
         self.w1 = nn.Parameter(torch.randn(e, h, f) / h ** 0.5)  # gate
@@ -91,6 +95,8 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.randn(e, f, h) / f ** 0.5)  # down
 
     def forward(self, x):
+        if self.grouped:
+            return self.grouped_forward(x)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         probs = F.softmax(self.router(tokens), dim=-1)                          # (t, E)
@@ -103,6 +109,22 @@ class MoE(nn.Module):
         up = torch.einsum("th,ehf->etf", tokens, self.w3)
         y = torch.einsum("etf,efh->eth", F.silu(gate) * up, self.w2)            # (E, t, h)
         return torch.einsum("te,eth->th", combine, y).reshape(b, s, h)
+
+    def grouped_forward(self, x):
+        """Each sequence is a group; every expert gets a slot per token of the
+        group (capacity = sequence length, so nothing is dropped), filled for
+        the tokens routed to it. The slots, not the tokens, are what the
+        experts' weights meet (Lepikhin et al. 2021, GShard, sec. 2.2)."""
+        probs = F.softmax(self.router(x), dim=-1)                              # (b, s, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = F.one_hot(chosen, self.experts).sum(dim=2)                    # (b, s, E) 0/1
+        combine = (F.one_hot(chosen, self.experts) * weights[..., None]).sum(dim=2)
+        slots = torch.einsum("bse,bsh->ebsh", routed * 1.0, x)                 # dispatch
+        gate = torch.einsum("ebsh,ehf->ebsf", slots, self.w1)
+        up = torch.einsum("ebsh,ehf->ebsf", slots, self.w3)
+        y = torch.einsum("ebsf,efh->ebsh", F.silu(gate) * up, self.w2)
+        return torch.einsum("bse,ebsh->bsh", combine, y)                       # combine
 
 
 class Block(nn.Module):
@@ -145,6 +167,16 @@ def small(batch: int = 8):
     """FACTORY for the CLI: a 2-layer decoder with 4-expert top-2 MoE MLPs, its batch and loss."""
     torch.manual_seed(0)
     cfg = MoEConfig()
+    model = MoETransformer(cfg)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    return model, (idx, target), lm_loss
+
+
+def grouped(batch: int = 8):
+    """FACTORY: the same decoder with GShard-style grouped dispatch (expert parallel by all-to-all)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(grouped=True)
     model = MoETransformer(cfg)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))

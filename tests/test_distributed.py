@@ -142,7 +142,7 @@ def test_cli_pipelined_plan_codegen_and_run(tmp_path):
 
 
 MODELS = ["examples/llama.py:small", "examples/bert.py:small", "examples/vit.py:small",
-          "examples/resnet.py:small", "examples/moe.py:small", "examples/cnn.py:small"]
+          "examples/resnet.py:small", "examples/moe.py:small", "examples/moe.py:grouped", "examples/cnn.py:small"]
 
 
 def test_every_example_model_on_1d_and_2d_meshes(tmp_path):

@@ -77,8 +77,7 @@ class Rule:
 _RULES: dict = {}
 
 
-def register(*targets, matmul: bool = False, local: bool = True):
-    # TODO(integration): drop ``local``; every op runs on local shards now.
+def register(*targets, matmul: bool = False):
     def wrap(fn):
         for t in targets:
             if t in _RULES:
