@@ -194,6 +194,9 @@ def load_factory(spec: str):
     path, name = spec.rsplit(":", 1)
     if not os.path.exists(path):
         raise AutoparError(f"model file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # a model file may import its neighbours, as a script would
     mod_name = "autopar_user_" + os.path.splitext(os.path.basename(path))[0]
     module = sys.modules.get(mod_name)
     if module is None or getattr(module, "__file__", None) != os.path.abspath(path):

@@ -4,6 +4,8 @@ token's router logits go through a softmax, the top-2 experts are kept and
 their weights renormalised; every expert is a SwiGLU MLP, and the experts'
 weights are stored batched as (experts, in, out) tensors.
 
+Attention, RMSNorm and rotary embeddings are Llama's (examples/llama.py).
+
 Dispatch is dense: every expert runs on every token (einsum over the batched
 weights) and a (tokens, experts) combine matrix, zero except at each token's two
 experts, mixes the results. Shapes are static and nothing is dropped, so the
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llama import Attention, RMSNorm, lm_loss, rope_tables
 
 
 @dataclass(frozen=True)
@@ -33,51 +37,9 @@ class MoEConfig:
     (experts, batch, seq, hidden) within their sequence (the group), so a
     batch split and an expert split of the same tensor meet in an all-to-all."""
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rope_tables(seq: int, head_dim: int, theta: float):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class Attention(nn.Module):
-    """Causal grouped-query attention with rotary embeddings, as in Mixtral."""
-
-    def __init__(self, cfg: "MoEConfig"):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads
-        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-
-    def forward(self, x, cos, sin):
-        b, s, h = x.shape
-        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.heads // self.kv_heads
-        k = k[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
-        v = v[:, :, None].expand(b, self.kv_heads, rep, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
 
 class MoE(nn.Module):
@@ -148,7 +110,7 @@ class MoETransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        cos, sin = rope_tables(cfg.seq, cfg.hidden // cfg.heads, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -158,9 +120,6 @@ class MoETransformer(nn.Module):
             x = block(x, self.cos, self.sin)
         return self.head(self.norm(x))
 
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def small(batch: int = 8):
