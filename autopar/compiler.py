@@ -16,6 +16,7 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
+    optimizer_step_time,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -272,10 +273,12 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     # gradient exists; gradients build up in backward as activations are freed,
     # and the optimizer step adds its temporaries next to the gradients.
     step_temp = optimizer_step_bytes(memory["parameters"], ctx)
+    optimizer_s = optimizer_step_time(memory["parameters"], ctx)
+    step += optimizer_s
     peak = memory["parameters"] + memory["optimizer"] + memory["inputs"] + max(
         memory["activations"], memory["gradients"] + step_temp)
     predicted = {
-        "step_time_s": step, "compute_s": compute, "comm_s": comm, "bubble_s": 0.0,
+        "step_time_s": step, "compute_s": compute, "comm_s": comm, "bubble_s": 0.0, "optimizer_s": optimizer_s,
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
         "model_flops": total_flops,

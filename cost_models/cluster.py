@@ -80,6 +80,11 @@ class Device:
     """Fraction of ``memory_bandwidth`` that streaming (element-wise) kernels reach."""
     op_latency: float = 0.0
     """Fixed seconds per non-GEMM op (kernel launch, or eager dispatch on CPU)."""
+    runtime_overhead: float = 0.0
+    """Seconds autopar's eager SPMD runtime adds per op and pass (DTensor wrapping,
+    autograd bookkeeping), measured through the runtime itself by ``autopar
+    calibrate`` (autopar/measure.py, runtime_overhead); 0 where not measured
+    (the GPU presets, where host-side dispatch overlaps with device work)."""
 
     def __post_init__(self):
         where = f"device {self.name!r}"
@@ -95,6 +100,7 @@ class Device:
         _fraction(where, "memory_efficiency", self.memory_efficiency)
         _positive(where, "gemm_latency (s)", self.gemm_latency, allow_zero=True)
         _positive(where, "op_latency (s)", self.op_latency, allow_zero=True)
+        _positive(where, "runtime_overhead (s)", self.runtime_overhead, allow_zero=True)
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes the device does not list fall back to fp32."""
@@ -171,7 +177,7 @@ class Cluster:
             try:
                 top[level] = Link(**_fields_of(Link, obj[level], where))
             except ClusterError as e:
-                raise ClusterError(f"{where}: {e}") from None
+                raise ClusterError(f"{where}: {str(e).removeprefix('link: ')}") from None
         return cls(**top)
 
 

@@ -10,8 +10,9 @@ Ring costs follow the NCCL bus-bandwidth factors (nccl-tests PERFORMANCE.md):
 all-reduce moves 2(n-1)/n of the bytes, all-gather / reduce-scatter /
 all-to-all (n-1)/n of the full (gathered) buffer. An all-reduce may also run as
 a (double binary) tree, 2 ceil(log2 n) latency steps and 2S/B on the wire;
-``collective_time(..., algorithm=Algorithm.BEST)`` takes the faster of the two,
-as NCCL's tuner does. The default is the ring, which is also the form
+``collective_time(..., algorithm=Algorithm.BEST)`` takes the faster of the two
+on the inter-node level, as NCCL's tuner does (its trees span nodes; inside a
+node NCCL runs rings). The default is the ring, which is also the form
 ``autopar calibrate`` fits to measured gloo/NCCL times.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Algorithm(str, Enum):
     TREE = "tree"
     """All-reduce only; other collectives always use the ring."""
     BEST = "best"
-    """The faster of ring and tree for all-reduce."""
+    """The faster of ring and tree for an all-reduce between nodes; ring inside a node."""
 
 
 class Collective(str, Enum):
@@ -118,7 +119,8 @@ def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
     if axis.size <= 1:
         return 0.0
     if axis.inter == 1:
-        return _ring(kind, nbytes, axis.size, axis.intra_link, algorithm)
+        intra_algorithm = Algorithm.RING if algorithm is Algorithm.BEST else algorithm
+        return _ring(kind, nbytes, axis.size, axis.intra_link, intra_algorithm)
     if axis.intra == 1:
         return _ring(kind, nbytes, axis.size, axis.inter_link, algorithm)
     # Hierarchical: intra-node phase on the full buffer, inter-node phase on

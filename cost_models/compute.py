@@ -23,10 +23,3 @@ def op_time(flops: float, nbytes: float, device: Device, dtype: str = "fp32", *,
         return device.gemm_latency + max(flops / (peak * device.gemm_efficiency), memory)
     return device.op_latency + max(flops / peak, memory)
 
-
-def gemm_time(m: int, n: int, k: int, device: Device, dtype: str, elem_bytes: int, batch: int = 1) -> float:
-    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n), reading both operands and
-    writing the result once."""
-    flops = 2.0 * batch * m * n * k
-    nbytes = float(elem_bytes) * batch * (m * k + k * n + m * n)
-    return op_time(flops, nbytes, device, dtype, matmul=True)

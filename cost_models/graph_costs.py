@@ -125,7 +125,8 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
     # about one pass over the same data.
     bwd = (2.0 if matmul else 1.0) * fwd if backward else 0.0
-    return fwd, bwd
+    overhead = ctx.cluster.device.runtime_overhead
+    return fwd + overhead, bwd + (overhead if backward else 0.0)
 
 
 _aten = torch.ops.aten
@@ -161,6 +162,15 @@ def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext) -> float:
     if OPTIMIZER_STATES[ctx.optimizer] < 2:
         return 0.0
     return param_bytes_local * 4 / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
+
+
+def optimizer_step_time(param_bytes_local: float, ctx: CostContext) -> float:
+    """One optimizer step is a memory-bound pass: read weights, gradients and
+    states, write weights and states (fp32 masters under mixed precision)."""
+    elements = param_bytes_local / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
+    states = OPTIMIZER_STATES[ctx.optimizer]
+    nbytes = elements * 4 * (2 + 2 * states + 1)
+    return op_time(elements * (4 + 3 * states), nbytes, ctx.cluster.device, "fp32")
 
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:

@@ -1,0 +1,115 @@
+"""Measured vs predicted step time of an emitted program on this machine.
+
+    torchrun --nproc-per-node 4 -m autopar.measure examples/gpt.py:small --mesh 4 --cluster cpu
+
+Each rank runs warm-up steps, then times full training steps (forward,
+backward, AdamW step); the step time is the median over steps of the slowest
+rank. ``measure_step_time`` launches that and returns the numbers next to the
+plan's prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def measure_step_time(source: str, mesh: str, cluster: str, nproc: int, steps: int = 10) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "measure.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               "-m", "autopar.measure", source, "--mesh", mesh, "--cluster", cluster, "--steps", str(steps),
+               "--json", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"measuring {source} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+CHAIN_LAYERS = 24
+"""The calibration chain: 24 x (Linear(8, 8), tanh), i.e. 48 tiny ops whose
+arithmetic is negligible next to their dispatch."""
+
+
+def runtime_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> float:
+    """Seconds autopar's runtime adds per op and pass on this machine: a chain of
+    tiny ops is timed through the emitted program on ``nproc`` ranks, the
+    cost model's prediction (without this overhead) is subtracted and the rest
+    is divided by the op count, forward and backward."""
+    result = measure_step_time("chain", mesh=str(nproc), cluster=cluster, nproc=nproc, steps=steps)
+    ops = result["op_nodes"]
+    return max(0.0, (result["measured_step_s"] - result["predicted_step_s"]) / (2 * ops))
+
+
+def _chain():
+    from torch import nn
+    torch.manual_seed(0)
+    layers = [m for _ in range(CHAIN_LAYERS) for m in (nn.Linear(8, 8), nn.Tanh())]
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss
+
+
+def main(argv=None) -> int:
+    from autopar.capture import capture
+    from autopar.codegen import build_program, load_program, program_source
+    from autopar.compiler import compile as compile_plan
+    from autopar.runtime import ParallelModule, init_distributed, load_factory
+
+    ap = argparse.ArgumentParser(prog="autopar.measure", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source")
+    ap.add_argument("--mesh", required=True)
+    ap.add_argument("--cluster", default="cpu")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    model, inputs, loss_fn = _chain() if args.source == "chain" else load_factory(args.source)
+    cluster = args.cluster
+    if args.source == "chain":  # price it without the overhead being measured
+        from dataclasses import replace
+        from autopar.cost_models.cluster import get_cluster
+        base = get_cluster(cluster)
+        cluster = replace(base, device=replace(base.device, runtime_overhead=0.0))
+    plan = compile_plan(model, inputs, mesh=args.mesh, cluster=cluster, loss_fn=loss_fn)
+    device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
+    program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
+    pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        pmodel(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(elapsed.item())
+    result = {"source": args.source, "mesh": args.mesh, "cluster": args.cluster,
+              "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": statistics.median(times),
+              "predicted": {k: plan.predicted[k] for k in ("compute_s", "comm_s", "optimizer_s")},
+              "op_nodes": sum(1 for n in plan.nodes if n.op not in ("param", "input", "buffer", "output")),
+              "steps": times}
+    if dist.get_rank() == 0:
+        print(f"{args.source} on {args.mesh}: predicted {result['predicted_step_s'] * 1e3:.2f} ms, "
+              f"measured {result['measured_step_s'] * 1e3:.2f} ms (median of {args.steps} steps)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""``autopar calibrate``: measure this machine and write a cluster profile.
+
+    calibrate("profile.json", nproc=4)          # gloo on CPU, NCCL with CUDA
+
+It launches ``nproc`` local ranks with torchrun (cost_models/calibrate_worker.py),
+which time GEMMs of several sizes, large copies and all-reduce / all-gather
+sweeps, all ranks at once. The model's constants are then fitted by least
+squares:
+
+- GEMM:       seconds = gemm_latency + flops / rate     (rate = peak * gemm_efficiency),
+              on relative error
+- copy:       seconds = bytes / memory_bandwidth (DRAM-sized copies), on relative error
+- op_latency: the measured time of a one-element add
+- collective: seconds = steps * alpha + wire_bytes / bandwidth, with the ring's
+  steps and wire bytes (2(n-1) and 2(n-1)/n S for all-reduce, n-1 and (n-1)/n S
+  for all-gather), both kinds in one fit, on absolute seconds.
+
+The profile is a cluster JSON (docs/clusters.md) whose ``calibration`` field
+keeps the raw timings and the fit residuals.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from autopar.cost_models.cluster import A100_80GB, H100_80GB, H200, V100_32GB, Cluster, Device, Link
+from autopar.cost_models.collectives import Collective, ring_bytes
+from autopar.errors import ClusterError
+
+KNOWN_GPUS = {"A100": A100_80GB, "H100": H100_80GB, "H200": H200, "V100": V100_32GB}
+"""GPUs whose datasheet peaks we know (cost_models/cluster.py); others get their measured GEMM rate as peak."""
+TIMEOUT_S = 600
+
+
+def fit_proportional(x, y) -> float:
+    """Slope b of y = b x minimising the squared relative error."""
+    r = np.asarray(x, float) / np.asarray(y, float)
+    return float(np.sum(r) / np.sum(r * r))
+
+
+def fit_line(x, y) -> tuple[float, float]:
+    """(intercept, slope) of y = a + b x minimising the squared *relative* error;
+    a negative intercept is clamped to zero (and the slope refitted)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    design = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+    if a < 0:
+        return 0.0, fit_proportional(x, y)
+    return float(a), float(b)
+
+
+def fit_alpha_beta(points: list[dict], n: int) -> tuple[float, float]:
+    """(latency alpha in s, bandwidth in bytes/s) of a ring that best explains
+    the measured all-reduce and all-gather times over ``n`` ranks.
+
+    Ordinary least squares on seconds (not relative error): the large
+    collectives, which dominate a step, are fitted best, and one odd tiny
+    message (gloo answers a 4-byte all-reduce far faster than its ring would)
+    cannot pull alpha away from what every other size shows. The residuals are
+    kept in the profile."""
+    steps = {Collective.ALL_REDUCE: 2 * (n - 1), Collective.ALL_GATHER: n - 1}
+    rows, y = [], []
+    for p in points:
+        kind = Collective(p["kind"])
+        rows.append([steps[kind], ring_bytes(kind, p["bytes"], n)])
+        y.append(p["seconds"])
+    a, y = np.asarray(rows, float), np.asarray(y, float)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if alpha < 0:
+        alpha, inv_bw = 0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))
+    if not inv_bw > 0:
+        raise ClusterError(f"collective timings do not fit a positive bandwidth: {points}")
+    return float(alpha), float(1.0 / inv_bw)
+
+
+def _relative_residuals(predicted, measured) -> list[float]:
+    return [round((p - m) / m, 3) for p, m in zip(predicted, measured)]
+
+
+def run_workers(nproc: int, backend: str, raw_path: str) -> dict:
+    """Launch the measuring ranks under torchrun and return their raw timings."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "autopar.cost_models.calibrate_worker", "--out", raw_path, "--backend", backend]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        raise ClusterError(f"calibration ranks failed ({' '.join(cmd)}), exit {proc.returncode}:\n{tail}")
+    with open(raw_path) as f:
+        return json.load(f)
+
+
+def _machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        raise ClusterError("cannot read the host memory size; calibrate on Linux") from None
+
+
+def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
+                     known_peaks: dict | None) -> Cluster:
+    """Fit the cost model's constants to raw timings (see module docstring).
+    ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known."""
+    n = raw["world_size"]
+    gemm = raw["gemm"]
+    gemm_latency, inv_rate = fit_line([g["flops"] for g in gemm], [g["seconds"] for g in gemm])
+    rate = 1.0 / inv_rate
+    dtype = "fp32" if raw["dtype"] == "float32" else "bf16"
+    peaks = dict(known_peaks or {})
+    if peaks.get(dtype, 0.0) < rate:  # unknown device, or faster than its datasheet
+        peaks = {dtype: rate} if dtype == "fp32" else {"bf16": rate, "fp16": rate}
+    peak = peaks[dtype]
+    copy = raw["copy"]
+    inv_bw = fit_proportional([c["bytes_moved"] for c in copy], [c["seconds"] for c in copy])
+    op_latency = raw["op_latency"]
+    alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
+
+    device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
+                    gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency)
+    link = Link(bandwidth, alpha)
+    calibration = dict(
+        raw,
+        fit={
+            "gemm_rate_flops": rate, "gemm_latency_s": gemm_latency,
+            "gemm_residuals": _relative_residuals([gemm_latency + g["flops"] / rate for g in gemm],
+                                                  [g["seconds"] for g in gemm]),
+            "memory_bandwidth": 1.0 / inv_bw,
+            "copy_residuals": _relative_residuals([c["bytes_moved"] * inv_bw for c in copy],
+                                                  [c["seconds"] for c in copy]),
+            "alpha_s": alpha, "bandwidth": bandwidth,
+            "collective_residuals": _relative_residuals(
+                [alpha * (2 * (n - 1) if c["kind"] == "all_reduce" else n - 1)
+                 + ring_bytes(Collective(c["kind"]), c["bytes"], n) / bandwidth for c in raw["collectives"]],
+                [c["seconds"] for c in raw["collectives"]]),
+        },
+    )
+    return Cluster(name, device, n, link, link, nodes=1, backend=raw["backend"], source=source,
+                   calibration=calibration)
+
+
+def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None) -> Cluster:
+    """Measure this machine with ``nproc`` local ranks and write a profile to ``out_path``."""
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ClusterError("backend nccl needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
+    if nproc < 2:
+        raise ClusterError(f"calibrating collectives needs at least 2 ranks, got nproc={nproc}")
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise ClusterError(f"nproc={nproc} NCCL ranks need {nproc} GPUs; this machine has "
+                           f"{torch.cuda.device_count()}")
+    machine = _machine()
+    if backend == "nccl":
+        props = torch.cuda.get_device_properties(0)
+        memory, device_name = float(props.total_memory), props.name
+        known = next((dict(d.peak_flops) for k, d in KNOWN_GPUS.items() if k in props.name), None)
+    else:
+        memory, device_name, known = _host_memory() / nproc, "cpu-rank", None
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = run_workers(nproc, backend, os.path.join(tmp, "raw.json"))
+    raw["load_average_before"] = load_before  # other work on the machine skews the timings
+    today = datetime.date.today().isoformat()
+    peak_note = ("peak = datasheet bf16 peak" if known else
+                 "peak_flops = the measured asymptotic GEMM rate of one rank (no datasheet figure)")
+    source = (f"autopar calibrate --nproc {nproc} --backend {backend}, {today}, on {machine}, "
+              f"with torch {torch.__version__}: {raw['dtype']} GEMMs "
+              f"{'with 1 torch thread per rank ' if backend == 'gloo' else ''}and copies on all ranks at once, "
+              f"all_reduce + all_gather sweeps {raw['collectives'][0]['bytes']:.0f} B.."
+              f"{raw['collectives'][-1]['bytes'] / 2**20:.0f} MiB; least-squares fits; {peak_note}; "
+              f"memory = {'device memory' if backend == 'nccl' else 'host memory / ranks'}; "
+              f"1-min load average before: {load_before:.2f}")
+    cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
+                               source=source, device_name=device_name, memory=memory, known_peaks=known)
+    with open(out_path, "w") as f:
+        json.dump(cluster.to_json(), f, indent=2)
+        f.write("\n")
+    return cluster

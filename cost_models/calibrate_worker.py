@@ -1,0 +1,161 @@
+"""One rank of ``autopar calibrate``, run by torchrun (never imported by the model).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m autopar.cost_models.calibrate_worker --out raw.json --backend gloo
+
+Every rank measures at the same time, as the ranks of a real job share the
+machine: GEMMs of several sizes and large copies (CPU ranks with one torch
+thread each), then all-reduce and all-gather over a sweep of sizes. Rank 0
+writes the raw timings; cost_models/calibrate.py fits the model to them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+CPU_GEMM_SIZES = (64, 128, 256, 384, 512, 768, 1024)
+GPU_GEMM_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+CPU_COPY_BYTES = (32 << 20, 64 << 20, 128 << 20, 256 << 20)
+"""Larger than the last-level cache, so copies stream from DRAM."""
+GPU_COPY_BYTES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
+COLLECTIVE_BYTES = (4, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+MIN_SECONDS = 0.2
+"""Repeat each measurement until this much time has passed (and at least 3 times)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, min_seconds: float = MIN_SECONDS) -> float:
+    """Mean seconds of one ``fn()`` call over back-to-back calls for at least
+    ``min_seconds``, after a warm-up. A mean over a window, not the median of
+    single calls: when ranks outnumber cores, short calls timed one by one
+    would dodge the time-slicing that a real run of N ranks pays."""
+    fn()
+    _sync(device)
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+        if calls % 8 == 0:
+            _sync(device)
+    _sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+def _timed_collective(fn, device: torch.device, min_seconds: float = MIN_SECONDS) -> float:
+    """Mean seconds of one collective ``fn()`` as seen by the slowest rank. All
+    ranks must call a collective equally often, so rank 0 picks the count."""
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    reps = torch.tensor([max(3, min(200, int(min_seconds / max(time.perf_counter() - t, 1e-6))))], device=device)
+    dist.broadcast(reps, 0)
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(int(reps.item())):
+        fn()
+    _sync(device)
+    seconds = torch.tensor([(time.perf_counter() - t) / int(reps.item())], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item())
+
+
+def measure_gemms(device: torch.device, dtype: torch.dtype, sizes) -> list[dict]:
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        dist.barrier()
+        seconds = _timed(lambda: torch.mm(a, b), device)
+        out.append({"m": n, "n": n, "k": n, "flops": 2.0 * n ** 3, "seconds": seconds})
+    return out
+
+
+def measure_copies(device: torch.device, sizes) -> list[dict]:
+    out = []
+    for nbytes in sizes:
+        x = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
+        y = torch.empty_like(x)
+        dist.barrier()
+        seconds = _timed(lambda: y.copy_(x), device)
+        out.append({"bytes_moved": 2.0 * nbytes, "seconds": seconds})  # read + write
+    return out
+
+
+def measure_op_latency(device: torch.device) -> float:
+    """Seconds of a one-element add: the fixed cost of launching (or dispatching) an op."""
+    x = torch.ones(1, device=device)
+    y = torch.empty_like(x)
+    dist.barrier()
+    return _timed(lambda: torch.add(x, 1, out=y), device)
+
+
+def measure_collectives(device: torch.device, sizes) -> list[dict]:
+    world = dist.get_world_size()
+    out = []
+    for nbytes in sizes:
+        numel = max(1, nbytes // 4)
+        buf = torch.ones(numel, device=device)
+        chunk = max(1, numel // world)
+        shard = torch.ones(chunk, device=device)
+        gathered = torch.empty(chunk * world, device=device)
+        for kind, fn, full in (
+            ("all_reduce", lambda: dist.all_reduce(buf), numel * 4),
+            ("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard), chunk * world * 4),
+        ):
+            out.append({"kind": kind, "bytes": float(full), "seconds": _timed_collective(fn, device)})
+    return out
+
+
+def _gather_median(rows: list[dict], key: str = "seconds") -> list[dict]:
+    """Per-row median of ``key`` across ranks (rank 0's rows otherwise)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    merged = []
+    for i, row in enumerate(rows):
+        merged.append(dict(row, **{key: statistics.median(r[i][key] for r in everyone)}))
+    return merged
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", choices=["gloo", "nccl"], required=True)
+    args = ap.parse_args(argv)
+
+    if args.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device, dtype, gemm_sizes, copy_sizes = torch.device("cuda", local), torch.bfloat16, GPU_GEMM_SIZES, GPU_COPY_BYTES
+    else:
+        torch.set_num_threads(1)
+        device, dtype, gemm_sizes, copy_sizes = torch.device("cpu"), torch.float32, CPU_GEMM_SIZES, CPU_COPY_BYTES
+    dist.init_process_group(args.backend)
+    raw = {
+        "world_size": dist.get_world_size(),
+        "backend": args.backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "gemm": _gather_median(measure_gemms(device, dtype, gemm_sizes)),
+        "copy": _gather_median(measure_copies(device, copy_sizes)),
+        "op_latency": _gather_median([{"seconds": measure_op_latency(device)}])[0]["seconds"],
+        "collectives": measure_collectives(device, COLLECTIVE_BYTES),
+    }
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(raw, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""``autopar estimate`` and ``autopar calibrate``: argument parsing and printing.
+
+The CLI calls ``estimate_main(argv)`` / ``calibrate_main(argv)``; both return an
+exit status (0 ok, 2 bad input) and print errors as one line naming the rule.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autopar.cost_models.cluster import cluster_names, get_cluster
+from autopar.cost_models.transformer import (AttentionKernel, Precision, Recompute, StepEstimate, TrainingPlan,
+                                             TransformerConfig, estimate)
+from autopar.errors import AutoparError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def estimate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="autopar estimate",
+        description="Predict step time, throughput and memory of a GPT/Llama-style transformer "
+                    "under a hand-written plan, with the same cost model autopar compile uses.")
+    model = ap.add_argument_group("model")
+    model.add_argument("--layers", type=_positive_int, required=True)
+    model.add_argument("--hidden", type=_positive_int, required=True)
+    model.add_argument("--heads", type=_positive_int, required=True)
+    model.add_argument("--kv-heads", type=_positive_int, help="key/value heads (grouped-query attention)")
+    model.add_argument("--ffn-hidden", type=_positive_int, help="MLP hidden size (default 4h; 8h/3 with --swiglu)")
+    model.add_argument("--swiglu", action="store_true", help="Llama block: SwiGLU MLP, no biases, no dropout")
+    model.add_argument("--seq", type=_positive_int, required=True)
+    model.add_argument("--vocab", type=_positive_int, required=True)
+    plan = ap.add_argument_group("plan")
+    plan.add_argument("--batch", type=_positive_int, required=True, help="global batch, sequences")
+    plan.add_argument("--microbatch", type=_positive_int, required=True, help="sequences per microbatch")
+    plan.add_argument("--tp", type=_positive_int, required=True)
+    plan.add_argument("--pp", type=_positive_int, required=True)
+    plan.add_argument("--dp", type=_positive_int, required=True)
+    plan.add_argument("--virtual-stages", type=_positive_int, default=1, help="interleaved 1F1B chunks per stage")
+    plan.add_argument("--sequence-parallel", action="store_true")
+    plan.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
+    plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    plan.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value)
+    plan.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=AttentionKernel.FLASH.value,
+                      help="attention kernel (default flash; 'unfused' for Megatron-LM 2021 style)")
+    hw = ap.add_argument_group("hardware")
+    hw.add_argument("--cluster", required=True, metavar="NAME",
+                    help=f"preset ({', '.join(cluster_names())}) or cluster/profile JSON file")
+    hw.add_argument("--nodes", type=_positive_int, required=True)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def estimate_from_args(args: argparse.Namespace) -> StepEstimate:
+    model = TransformerConfig(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, swiglu=args.swiglu)
+    plan = TrainingPlan(
+        batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp,
+        virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute, zero=args.zero, precision=args.precision, attention=args.attention)
+    return estimate(model, plan, get_cluster(args.cluster), args.nodes)
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def format_estimate(est: StepEstimate, cluster: str) -> str:
+    t, m = est.time, est.memory
+    step = est.step_time_s
+    rows = [
+        ("cluster", f"{cluster}, {est.world_size} GPUs, {est.microbatches} microbatches per step"),
+        ("parameters", f"{est.parameters / 1e9:.2f} B"),
+        ("step time", _seconds(step)),
+        ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f} model, {est.hardware_tflops_per_gpu:.1f} with recomputation"),
+        ("MFU", f"{est.mfu:.1%}"),
+        ("", ""),
+        ("time breakdown", ""),
+    ]
+    for label, value in (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
+                         ("pipeline comm", t.pp_comm_s), ("data-parallel comm", t.dp_comm_s),
+                         ("pipeline bubble", t.bubble_s), ("optimizer step", t.optimizer_s)):
+        rows.append((f"  {label}", f"{_seconds(value):>10}  {value / step:6.1%}"))
+    rows += [("", ""), (f"memory per GPU (stage {m.stage})", f"{m.total / 2**30:.2f} GiB")]
+    for label, value in (("parameters", m.parameters), ("gradients", m.gradients),
+                         ("optimizer states", m.optimizer_states), ("activations", m.activations)):
+        rows.append((f"  {label}", f"{value / 2**30:10.2f} GiB"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" if k else "" for k, v in rows)
+
+
+def estimate_main(argv=None) -> int:
+    args = estimate_parser().parse_args(argv)
+    try:
+        est = estimate_from_args(args)
+    except AutoparError as e:
+        print(f"autopar estimate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_json()))
+    else:
+        print(format_estimate(est, args.cluster))
+    return 0
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="autopar calibrate",
+        description="Measure this machine (GEMM curve, memory bandwidth, collectives over N local ranks) "
+                    "and write a cluster profile that --cluster accepts.")
+    ap.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    ap.add_argument("--nproc", type=_positive_int, default=4, help="local ranks (default 4)")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo")
+    ap.add_argument("--name", help="cluster name in the profile (default: 'cpu', or the GPU name)")
+    return ap
+
+
+def calibrate_main(argv=None) -> int:
+    from autopar.cost_models.calibrate import calibrate
+
+    args = calibrate_parser().parse_args(argv)
+    try:
+        cluster = calibrate(args.output, nproc=args.nproc, backend=args.backend, name=args.name)
+    except AutoparError as e:
+        print(f"autopar calibrate: error: {e}", file=sys.stderr)
+        return 2
+    dev = cluster.device
+    print(f"wrote {args.output}: {cluster.name}, {cluster.devices_per_node} ranks, "
+          f"GEMM {max(dev.peak_flops.values()) * dev.gemm_efficiency / 1e9:.1f} GFLOP/s "
+          f"(+{dev.gemm_latency * 1e6:.0f} us), memory {dev.streaming_bandwidth / 1e9:.2f} GB/s, "
+          f"link {cluster.intra_node.bandwidth / 1e9:.3f} GB/s + {cluster.intra_node.latency * 1e6:.0f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(estimate_main())

@@ -1,0 +1,353 @@
+"""Cost model: formulas and orderings, by table (no processes, no GPU)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from autopar.cost_models.calibrate import fit_alpha_beta, fit_line, profile_from_raw
+from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
+from autopar.cost_models.collectives import Algorithm, Collective, axis_links, collective_time, ring_bytes
+from autopar.cost_models.compute import op_time
+from autopar.cost_models.estimate_cli import estimate_main
+from autopar.cost_models.transformer import (AttentionKernel, EstimateError, Precision, Recompute, TrainingPlan,
+                                             TransformerConfig, estimate, layer_activation_bytes, model_state_bytes,
+                                             step_flops)
+from autopar.errors import ClusterError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+A100 = get_cluster("dgx-a100")
+GPT_1T = TransformerConfig(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
+
+
+def _validation_module():
+    path = os.path.join(REPO, "benchmarks", "validate_cost_model.py")
+    spec = importlib.util.spec_from_file_location("validate_cost_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- collectives -------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+@pytest.mark.parametrize("nbytes", [1.0, 4096.0, 1e9])
+def test_ring_all_reduce_moves_reduce_scatter_plus_all_gather(n, nbytes):
+    assert ring_bytes(Collective.ALL_REDUCE, nbytes, n) == pytest.approx(
+        ring_bytes(Collective.REDUCE_SCATTER, nbytes, n) + ring_bytes(Collective.ALL_GATHER, nbytes, n))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_time_is_reduce_scatter_plus_all_gather(n):
+    (axis,) = axis_links(A100, (n,))
+    nbytes = 64e6
+    assert collective_time(Collective.ALL_REDUCE, nbytes, axis) == pytest.approx(
+        collective_time(Collective.REDUCE_SCATTER, nbytes, axis) + collective_time(Collective.ALL_GATHER, nbytes, axis))
+
+
+@pytest.mark.parametrize("kind", list(Collective))
+def test_axis_across_nodes_is_slower_than_within_one(kind):
+    (inside,) = axis_links(A100, (8,))
+    across, _ = axis_links(A100, (8, 8))  # stride 8: every member on another node
+    assert (inside.inter, across.intra) == (1, 1)
+    assert collective_time(kind, 32e6, across) > collective_time(kind, 32e6, inside)
+
+
+def test_axis_spanning_both_levels_is_hierarchical():
+    (axis,) = axis_links(A100, (32,))
+    assert (axis.intra, axis.inter) == (8, 4)
+    nbytes = 256e6
+    (inside,) = axis_links(A100, (8,))
+    nodes, _ = axis_links(A100, (4, 8))
+    expected = (collective_time(Collective.REDUCE_SCATTER, nbytes, inside)
+                + collective_time(Collective.ALL_REDUCE, nbytes / 8, nodes)
+                + collective_time(Collective.ALL_GATHER, nbytes, inside))
+    assert collective_time(Collective.ALL_REDUCE, nbytes, axis) == pytest.approx(expected)
+    flat = dataclasses.replace(axis, intra=1, inter=32)  # the same group as one flat inter-node ring
+    assert collective_time(Collective.ALL_REDUCE, nbytes, axis) < collective_time(Collective.ALL_REDUCE, nbytes, flat)
+
+
+def test_tree_all_reduce_wins_on_latency_ring_on_bandwidth():
+    (axis,) = axis_links(A100, (8,))
+    small, large = 1024.0, 1e9
+    assert collective_time(Collective.ALL_REDUCE, small, axis, Algorithm.TREE) < collective_time(
+        Collective.ALL_REDUCE, small, axis, Algorithm.RING)
+    assert collective_time(Collective.ALL_REDUCE, large, axis, Algorithm.RING) < collective_time(
+        Collective.ALL_REDUCE, large, axis, Algorithm.TREE)
+
+
+# --- compute -----------------------------------------------------------------------
+
+def test_small_gemms_reach_a_smaller_fraction_of_peak():
+    dev = A100.device
+    curve = [dev.gemm_curve(f, "bf16") for f in (1e6, 1e8, 1e10, 1e12)]
+    assert curve == sorted(curve)
+    assert curve[0] < 0.5 * dev.gemm_efficiency
+    assert curve[-1] == pytest.approx(dev.gemm_efficiency, rel=0.01)
+
+
+def test_op_time_is_a_roofline():
+    dev = A100.device
+    compute_bound = op_time(1e12, 1e6, dev, "bf16", matmul=True)
+    assert compute_bound == pytest.approx(dev.gemm_latency + 1e12 / (312e12 * dev.gemm_efficiency))
+    memory_bound = op_time(0.0, 1e9, dev, "bf16")
+    assert memory_bound == pytest.approx(dev.op_latency + 1e9 / (2039e9 * dev.memory_efficiency))
+
+
+# --- transformer: formulas ---------------------------------------------------------------------
+
+def test_parameter_count_matches_megatron_formula():
+    l, h, V, s = 128, 25600, 51200, 2048
+    formula = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    assert GPT_1T.parameters() == pytest.approx(formula, rel=1e-6)  # we also count the final layer norm
+
+
+@pytest.mark.parametrize("recompute, coefficient, vocab_term", [
+    (Recompute.NONE, 72, 12),
+    (Recompute.FULL, 96, 16),
+])
+def test_step_flops_match_megatron_formulas(recompute, coefficient, vocab_term):
+    B, s, l, h, V = 3072, 2048, 128, 25600, 51200
+    plan = TrainingPlan(batch=B, microbatch=1, recompute=recompute)
+    model_flops, hardware_flops = step_flops(GPT_1T, plan)
+    expected = coefficient * B * s * l * h * h * (1 + s / (6 * h) + V / (vocab_term * l * h))
+    assert hardware_flops == pytest.approx(expected, rel=1e-12)
+    assert model_flops == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
+
+
+@pytest.mark.parametrize("zero, formula", [
+    (0, lambda psi, nd: 16 * psi),
+    (1, lambda psi, nd: 4 * psi + 12 * psi / nd),
+    (2, lambda psi, nd: 2 * psi + 14 * psi / nd),
+    (3, lambda psi, nd: 16 * psi / nd),
+])
+@pytest.mark.parametrize("nd", [1, 8, 64])
+def test_zero_memory_formulas(zero, formula, nd):
+    psi = 7.5e9
+    plan = TrainingPlan(batch=nd, microbatch=1, dp=nd, zero=zero, precision=Precision.BF16)
+    assert sum(model_state_bytes(psi, plan)) == pytest.approx(formula(psi, nd), rel=1e-12)
+
+
+S, B_, H, A = 2048, 1, 12288, 96  # GPT-3 175B shapes, as in Korthikanti et al.
+
+
+@pytest.mark.parametrize("tp, sp, recompute, formula", [
+    (1, False, Recompute.NONE, lambda t: S * B_ * H * (34 + 5 * A * S / H)),
+    (8, False, Recompute.NONE, lambda t: S * B_ * H * (10 + 24 / t + 5 * A * S / (H * t))),
+    (8, True, Recompute.NONE, lambda t: S * B_ * H * (34 / t + 5 * A * S / (H * t))),
+    (8, True, Recompute.SELECTIVE, lambda t: S * B_ * H * 34 / t),
+    (1, False, Recompute.FULL, lambda t: 2 * S * B_ * H),
+])
+def test_activation_memory_matches_korthikanti(tp, sp, recompute, formula):
+    model = TransformerConfig(layers=96, hidden=H, heads=A, seq=S, vocab=51200)
+    plan = TrainingPlan(batch=1, microbatch=B_, tp=tp, sequence_parallel=sp, recompute=recompute,
+                        precision=Precision.FP16, attention=AttentionKernel.UNFUSED)
+    assert layer_activation_bytes(model, plan) == pytest.approx(formula(tp), rel=0.10)
+    assert layer_activation_bytes(model, plan) == pytest.approx(formula(tp), rel=1e-9)  # exact for the GPT block
+
+
+# --- transformer: schedule and orderings -----------------------------------------------------
+
+def _estimate(model=GPT_1T, cluster=A100, nodes=None, **plan):
+    plan = TrainingPlan(**{"batch": 64, "microbatch": 1, **plan})
+    return estimate(model, plan, cluster, nodes or plan.world // cluster.devices_per_node)
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 1, 8), (4, 1, 16), (8, 1, 64), (4, 2, 16), (8, 4, 32)])
+def test_1f1b_bubble_fraction(pp, v, m):
+    model = TransformerConfig(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200)
+    est = _estimate(model, batch=m, tp=8, pp=pp, dp=1, virtual_stages=v)
+    t = est.time
+    busy = t.compute_s + t.tp_comm_s + t.pp_comm_s
+    assert t.bubble_s / busy == pytest.approx((pp - 1) / (v * m), rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sequence_parallel_moves_as_much_as_tensor_parallel_and_saves_memory(tp):
+    model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=2048, vocab=51200)
+    plain = _estimate(model, batch=8, tp=tp, dp=8 // tp)
+    sp = _estimate(model, batch=8, tp=tp, dp=8 // tp, sequence_parallel=True)
+    assert sp.time.tp_comm_s == pytest.approx(plain.time.tp_comm_s, rel=0.05)
+    assert sp.memory.activations < plain.memory.activations
+
+
+def test_recomputation_trades_time_for_memory():
+    model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=2048, vocab=51200)
+    runs = {r: _estimate(model, batch=8, tp=8, recompute=r, attention=AttentionKernel.UNFUSED) for r in Recompute}
+    assert runs[Recompute.FULL].memory.activations < runs[Recompute.SELECTIVE].memory.activations \
+        < runs[Recompute.NONE].memory.activations
+    assert runs[Recompute.NONE].step_time_s < runs[Recompute.SELECTIVE].step_time_s < runs[Recompute.FULL].step_time_s
+    assert runs[Recompute.FULL].hardware_tflops_per_gpu > runs[Recompute.FULL].tflops_per_gpu
+
+
+@pytest.mark.parametrize("seq, exposed", [(4096, False), (128, True)])
+def test_zero3_gathers_hide_under_long_layers_only(seq, exposed):
+    model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=seq, vocab=51200)
+    z1 = _estimate(model, batch=64, dp=16, zero=1)
+    z3 = _estimate(model, batch=64, dp=16, zero=3)
+    assert z3.memory.parameters < z1.memory.parameters
+    assert (z3.time.dp_comm_s > z1.time.dp_comm_s) is exposed
+
+
+def test_tensor_parallelism_across_nodes_is_slower():
+    model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=2048, vocab=51200)
+    inside = _estimate(model, batch=16, tp=8, dp=2)
+    # The same 16 GPUs with tp spanning two nodes (as the outer axis would).
+    across = _estimate(model, batch=16, tp=16, dp=1)
+    assert across.time.tp_comm_s > 2 * inside.time.tp_comm_s
+
+
+def test_megatron_table_mape():
+    validation = _validation_module()
+    results = validation.predict_megatron()
+    assert len(results) == 10
+    assert validation.mape(results) <= 0.10
+    assert validation.max_error(results) <= 0.20
+
+
+# --- plan validation ----------------------------------------------------------------------
+
+ONE_PER_NODE = dataclasses.replace(A100, name="one-per-node", devices_per_node=1)
+
+
+@pytest.mark.parametrize("plan, cluster, nodes, message", [
+    (dict(tp=8, pp=2, dp=2), A100, 2,
+     r"tp\(8\) \* pp\(2\) \* dp\(2\) = 32 != nodes\(2\) \* devices_per_node\(8\) = 16"),
+    (dict(tp=4), get_cluster("cpu"), 2, r"cluster 'cpu' has 1 node\(s\); 2 requested"),
+    (dict(tp=3), ONE_PER_NODE, 3, r"heads \(160\) must be divisible by tp \(3\)"),
+    (dict(pp=3), ONE_PER_NODE, 3, r"layers \(128\) must be divisible by pp \(3\)"),
+    (dict(batch=10, dp=4), ONE_PER_NODE, 4, r"batch \(10\) must be divisible by microbatch \(1\) \* dp \(4\)"),
+    (dict(virtual_stages=2), ONE_PER_NODE, 1, r"virtual-stages > 1 needs pp > 1"),
+])
+def test_invalid_plans_say_why(plan, cluster, nodes, message):
+    plan = TrainingPlan(**{"batch": 64, "microbatch": 1, **plan})
+    with pytest.raises(EstimateError, match=message):
+        estimate(GPT_1T, plan, cluster, nodes)
+
+
+# --- cluster files ------------------------------------------------------------------------
+
+def _valid_cluster() -> dict:
+    return A100.to_json()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(color="red"), r"unknown field\(s\) \['color'\]"),
+    (lambda c: c["device"].update(tflops=1), r"device has unknown field\(s\) \['tflops'\]"),
+    (lambda c: c["intra_node"].update(bandwidth=-1.0), r"intra_node.*bandwidth \(bytes/s\) must be a finite number > 0, got -1.0"),
+    (lambda c: c["device"].update(memory_bandwidth="fast"), r"memory_bandwidth .* must be a finite number > 0, got 'fast'"),
+    (lambda c: c.pop("inter_node"), r"lacks required field\(s\) \['inter_node'\]"),
+    (lambda c: c["device"].pop("memory"), r"device lacks required field\(s\) \['memory'\]"),
+    (lambda c: c["device"].update(gemm_efficiency=1.5), r"gemm_efficiency must be in \(0, 1\], got 1.5"),
+    (lambda c: c["device"]["peak_flops"].update(int4=1e15), r"peak_flops key 'int4' is not one of"),
+    (lambda c: c.update(devices_per_node=0), r"devices_per_node must be a positive integer, got 0"),
+])
+def test_invalid_cluster_files_give_clear_errors(tmp_path, edit, message):
+    obj = _valid_cluster()
+    edit(obj)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ClusterError, match=message):
+        get_cluster(str(path))
+
+
+def test_bad_json_and_unknown_presets(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"name": "x", ')
+    with pytest.raises(ClusterError, match=r"broken.json: not valid JSON"):
+        get_cluster(str(path))
+    with pytest.raises(ClusterError, match=r"unknown cluster 'dgx-z9'; valid presets are \["):
+        get_cluster("dgx-z9")
+
+
+@pytest.mark.parametrize("name", ["dgx-a100", "dgx-h100", "h200", "p3.16xlarge", "cpu"])
+def test_presets_round_trip_through_json(name, tmp_path):
+    assert name in cluster_names()
+    cluster = get_cluster(name)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"cluster": cluster.to_json()}))
+    assert get_cluster(str(path)) == cluster
+    assert cluster.source
+
+
+# --- calibration fits ----------------------------------------------------------------------
+
+def test_fits_recover_synthetic_constants():
+    alpha, bw, n = 300e-6, 0.7e9, 4
+    points = [{"kind": k, "bytes": b,
+               "seconds": alpha * (2 * (n - 1) if k == "all_reduce" else n - 1) + ring_bytes(Collective(k), b, n) / bw}
+              for k in ("all_reduce", "all_gather") for b in (4.0, 1e4, 1e6, 1.6e7)]
+    assert fit_alpha_beta(points, n) == pytest.approx((alpha, bw), rel=1e-9)
+    assert fit_line([1, 2, 4], [3.5, 4.0, 5.0]) == pytest.approx((3.0, 0.5))
+
+
+def test_profile_from_raw_is_a_valid_cluster():
+    raw = {"world_size": 4, "backend": "gloo", "dtype": "float32",
+           "gemm": [{"flops": f, "seconds": 5e-6 + f / 40e9} for f in (1e6, 1e8, 2e9)],
+           "copy": [{"bytes_moved": b, "seconds": b / 5e9} for b in (6.4e7, 2.6e8)],
+           "op_latency": 4e-6,
+           "collectives": [{"kind": "all_reduce", "bytes": b, "seconds": 6 * 2e-4 + 1.5 * b / 1e9}
+                           for b in (4.0, 1e6, 1.6e7)]}
+    cluster = profile_from_raw(raw, name="cpu-test", source="test", device_name="cpu-rank", memory=6e9,
+                               known_peaks=None)
+    assert isinstance(cluster, Cluster) and cluster.backend == "gloo" and cluster.devices_per_node == 4
+    assert cluster.device.flops("fp32") == pytest.approx(40e9)
+    assert cluster.device.gemm_latency == pytest.approx(5e-6)
+    assert cluster.device.memory_bandwidth == pytest.approx(5e9)
+    assert (cluster.intra_node.latency, cluster.intra_node.bandwidth) == pytest.approx((2e-4, 1e9))
+    assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+ESTIMATE_ARGS = ("--layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 --batch 64 --microbatch 2 "
+                 "--tp 2 --pp 2 --dp 4 --cluster dgx-a100 --nodes 2").split()
+
+
+def test_estimate_json_keys(capsys):
+    assert estimate_main(ESTIMATE_ARGS + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "peak_memory_bytes",
+                "time", "memory"):
+        assert key in out
+    assert set(out["time"]) >= {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "total_s"}
+    assert out["time"]["total_s"] == pytest.approx(out["step_time_s"])
+    assert 0 < out["mfu"] < 1 and out["peak_memory_bytes"] > 0
+
+
+def test_estimate_table_and_llama_flags(capsys):
+    args = ("--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn-hidden 14336 --swiglu --seq 4096 "
+            "--vocab 128256 --batch 256 --microbatch 1 --tp 4 --pp 2 --dp 2 --virtual-stages 2 "
+            "--sequence-parallel --recompute selective --zero 1 --precision bf16 --cluster h200 --nodes 2").split()
+    assert estimate_main(args) == 0
+    out = capsys.readouterr().out
+    for label in ("step time", "TFLOP/s per GPU", "MFU", "pipeline bubble", "data-parallel comm", "activations"):
+        assert label in out
+
+
+def test_estimate_rejects_bad_world_size_with_the_equation(capsys):
+    args = list(ESTIMATE_ARGS)
+    args[args.index("--nodes") + 1] = "3"
+    assert estimate_main(args) == 2
+    err = capsys.readouterr().err
+    assert "tp(2) * pp(2) * dp(4) = 16 != nodes(3) * devices_per_node(8) = 24" in err
+
+
+def test_estimate_rejects_unknown_cluster(capsys):
+    args = list(ESTIMATE_ARGS)
+    args[args.index("--cluster") + 1] = "nope"
+    assert estimate_main(args) == 2
+    assert "unknown cluster 'nope'" in capsys.readouterr().err
+
+
+def test_cpu_profile_is_calibrated():
+    cpu = get_cluster("cpu")
+    assert cpu.backend == "gloo" and cpu.nodes == 1
+    assert "autopar calibrate" in cpu.source
+    assert math.isfinite(cpu.intra_node.bandwidth)
