@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from autopar.errors import AutoparError, PlanError
 from autopar.passes.strategy import Strategy, fmt_spec, parse_spec
 from autopar.plan import Plan
-from autopar.report import _fmt_bytes as fmt_bytes
-from autopar.report import _fmt_s as fmt_s
+from autopar.report import fmt_bytes
+from autopar.report import fmt_s
 
 
 @dataclass

@@ -19,8 +19,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.errors import AutoparError
 from autopar.passes.strategy import parse_spec
 from autopar.plan import Plan
-from autopar.report import _fmt_bytes as fmt_bytes
-from autopar.report import _fmt_s as fmt_s
+from autopar.report import fmt_bytes
+from autopar.report import fmt_s
 
 
 def layer_class(path: str) -> str:

@@ -17,14 +17,14 @@ from autopar.plan import Plan
 GiB = 2**30
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
 
 
-def _fmt_s(s: float) -> str:
+def fmt_s(s: float) -> str:
     if s >= 1:
         return f"{s:.3f} s"
     if s >= 1e-3:
@@ -58,7 +58,7 @@ def collective_rows(plan: Plan) -> list[tuple]:
         agg[key][0] += 1
         agg[key][1] += c["bytes"]
         agg[key][2] += c["seconds"]
-    return [(phase, axes, kind, n, _fmt_bytes(b), _fmt_s(s)) for (phase, axes, kind), (n, b, s) in sorted(agg.items())]
+    return [(phase, axes, kind, n, fmt_bytes(b), fmt_s(s)) for (phase, axes, kind), (n, b, s) in sorted(agg.items())]
 
 
 def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) -> None:
@@ -67,16 +67,16 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     axes = ", ".join(f"{t['name']}={t['size']} ({t['level']})" for t in plan.topology) or str(plan.mesh)
     con.print(f"[bold]autopar plan[/bold]  mesh {plan.mesh.shape} on {plan.cluster.get('name')}: {axes}")
     con.print(f"model {plan.model.get('source') or '(in-process)'}  fingerprint {plan.model.get('fingerprint')}")
-    con.print(f"predicted step {_fmt_s(pred['step_time_s'])} = compute {_fmt_s(pred['compute_s'])} + "
-              f"communication {_fmt_s(pred['comm_s'])} + bubble {_fmt_s(pred.get('bubble_s', 0.0))};  "
+    con.print(f"predicted step {fmt_s(pred['step_time_s'])} = compute {fmt_s(pred['compute_s'])} + "
+              f"communication {fmt_s(pred['comm_s'])} + bubble {fmt_s(pred.get('bubble_s', 0.0))};  "
               f"MFU {pred.get('mfu', 0.0):.1%}")
 
     mem = Table(title="memory per device", title_justify="left")
     for col in ("parameters", "gradients", "optimizer", "activations", "inputs", "peak", "capacity"):
         mem.add_column(col, justify="right")
     m = pred.get("memory", {})
-    mem.add_row(*(_fmt_bytes(m.get(k, 0.0)) for k in ("parameters", "gradients", "optimizer", "activations", "inputs")),
-                _fmt_bytes(pred["peak_memory_bytes"]), _fmt_bytes(pred.get("memory_capacity_bytes", 0.0)))
+    mem.add_row(*(fmt_bytes(m.get(k, 0.0)) for k in ("parameters", "gradients", "optimizer", "activations", "inputs")),
+                fmt_bytes(pred["peak_memory_bytes"]), fmt_bytes(pred.get("memory_capacity_bytes", 0.0)))
     con.print(mem)
 
     params = Table(title="parameters" + ("" if all_nodes else " (per layer class; --all for every one)"),
@@ -101,7 +101,7 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
         for col in ("node", "op", "location", "strategy", "compute"):
             nodes.add_column(col)
         for n in plan.nodes:
-            nodes.add_row(n.name, n.op, n.location, n.strategy, _fmt_s(n.compute_s))
+            nodes.add_row(n.name, n.op, n.location, n.strategy, fmt_s(n.compute_s))
         con.print(nodes)
 
     if plan.pipeline:
@@ -114,12 +114,12 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
         for col in ("stage", "layers", "devices", "submesh", "time", "memory"):
             stages.add_column(col)
         for index, layers, devices, submesh, seconds, memory in stage_rows(plan):
-            stages.add_row(str(index), layers, devices, submesh, _fmt_s(seconds), _fmt_bytes(memory))
+            stages.add_row(str(index), layers, devices, submesh, fmt_s(seconds), fmt_bytes(memory))
         con.print(stages)
 
     sv = plan.solver
     wall = f", {sv['wall_s']:.2f} s" if sv.get("wall_s") is not None else ""
-    con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {_fmt_s(sv['objective'])}, "
+    con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {fmt_s(sv['objective'])}, "
               f"{sv['variables']} variables, {sv['constraints']} constraints{wall}")
     if plan.recompute.get("layers"):
         layers = plan.recompute["layers"]
