@@ -149,7 +149,8 @@ def diff_plans(a: Plan, b: Plan) -> dict:
 
     pa, pb = a.predicted, b.predicted
     sources = [{"what": "compute", "delta_s": pb.get("compute_s", 0.0) - pa.get("compute_s", 0.0)},
-               {"what": "pipeline bubble", "delta_s": pb.get("bubble_s", 0.0) - pa.get("bubble_s", 0.0)}]
+               {"what": "pipeline bubble", "delta_s": pb.get("bubble_s", 0.0) - pa.get("bubble_s", 0.0)},
+               {"what": "optimizer step", "delta_s": pb.get("optimizer_s", 0.0) - pa.get("optimizer_s", 0.0)}]
     sources += [{"what": f"{c['phase']} {c['kind']} on {c['axis']}", "delta_s": c["delta_s"]} for c in comm]
     sources = sorted((s for s in sources if s["delta_s"]), key=lambda s: -abs(s["delta_s"]))
 

@@ -68,7 +68,8 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     con.print(f"[bold]autopar plan[/bold]  mesh {plan.mesh.shape} on {plan.cluster.get('name')}: {axes}")
     con.print(f"model {plan.model.get('source') or '(in-process)'}  fingerprint {plan.model.get('fingerprint')}")
     con.print(f"predicted step {fmt_s(pred['step_time_s'])} = compute {fmt_s(pred['compute_s'])} + "
-              f"communication {fmt_s(pred['comm_s'])} + bubble {fmt_s(pred.get('bubble_s', 0.0))};  "
+              f"communication {fmt_s(pred['comm_s'])} + bubble {fmt_s(pred.get('bubble_s', 0.0))}"
+              + (f" + optimizer {fmt_s(pred['optimizer_s'])}" if pred.get("optimizer_s") else "") + ";  "
               f"MFU {pred.get('mfu', 0.0):.1%}")
 
     mem = Table(title="memory per device", title_justify="left")

@@ -666,7 +666,7 @@ function drawBreakdown(parent, plan) {
   kpi("peak memory / device", fmtB(p.peak_memory_bytes));
   const bar = el("div", {class: "breakdown-bar"}, parent);
   const parts = [["compute", p.compute_s, "#4e79a7"], ["communication", p.comm_s, "#e15759"],
-                 ["bubble", p.bubble_s || 0, "#8c959f"]];
+                 ["bubble", p.bubble_s || 0, "#8c959f"], ["optimizer", p.optimizer_s || 0, "#59a14f"]];
   const total = Math.max(1e-30, sum(parts.map((x) => x[1])));
   for (const [name, v, c] of parts) {
     if (!(v > 0)) continue;
@@ -676,7 +676,8 @@ function drawBreakdown(parent, plan) {
   }
   el("div", {class: "muted"}, parent,
      `step ${fmtS(p.step_time_s)} = compute ${fmtS(p.compute_s)} + communication ${fmtS(p.comm_s)} + ` +
-     `bubble ${fmtS(p.bubble_s || 0)}; MFU = model FLOPs / (step time × devices × peak FLOP/s)`);
+     `bubble ${fmtS(p.bubble_s || 0)}` + (p.optimizer_s ? ` + optimizer ${fmtS(p.optimizer_s)}` : "") +
+     `; MFU = model FLOPs / (step time × devices × peak FLOP/s)`);
   const sol = plan.solver || {};
   el("div", {class: "muted"}, parent,
      `solver ${sol.backend || ""} ${sol.status || ""}: ${sol.variables} variables, ${sol.constraints} constraints, ` +
