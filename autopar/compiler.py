@@ -16,7 +16,7 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
-    optimizer_step_time,
+    optimizer_time,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -273,7 +273,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     # gradient exists; gradients build up in backward as activations are freed,
     # and the optimizer step adds its temporaries next to the gradients.
     step_temp = optimizer_step_bytes(memory["parameters"], ctx)
-    optimizer_s = optimizer_step_time(memory["parameters"], ctx)
+    optimizer_s = sum(optimizer_time(n, chosen[n.name], ctx) for n in graph.nodes.values())
     step += optimizer_s
     peak = memory["parameters"] + memory["optimizer"] + memory["inputs"] + max(
         memory["activations"], memory["gradients"] + step_temp)

@@ -10,11 +10,11 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial
 
 from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import AxisLinks, axis_links
+from autopar.cost_models.collectives import axis_links
 from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, as_sum, grad_spec, producer_grad_spec, transitions
@@ -164,13 +164,16 @@ def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext) -> float:
     return param_bytes_local * 4 / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
 
 
-def optimizer_step_time(param_bytes_local: float, ctx: CostContext) -> float:
-    """One optimizer step is a memory-bound pass: read weights, gradients and
-    states, write weights and states (fp32 masters under mixed precision)."""
-    elements = param_bytes_local / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
+def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
+    """The optimizer's update of one parameter's local shard: a memory-bound
+    pass reading weights, gradients and states and writing weights and states
+    (fp32 masters under mixed precision). torch.optim's multi-tensor kernels
+    update all parameters in a few launches, so no per-parameter latency."""
+    if node.kind is not NodeKind.PARAM:
+        return 0.0
+    elements = math.prod(node.out.shape) / shard_factor(s.output, ctx.mesh_shape)
     states = OPTIMIZER_STATES[ctx.optimizer]
-    nbytes = elements * 4 * (2 + 2 * states + 1)
-    return op_time(elements * (4 + 3 * states), nbytes, ctx.cluster.device, "fp32")
+    return elements * 4 * (2 + 2 * states + 1) / ctx.cluster.device.streaming_bandwidth
 
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:

@@ -1,7 +1,4 @@
 """The planner rediscovers the known optima, prices memory, and explains bad input."""
-import json
-import warnings
-
 import pytest
 import torch
 from torch import nn

@@ -582,8 +582,6 @@ def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
 
 
 def check(sample: Sample, strategy, mesh_shape) -> list[str]:
-    from autopar import spmd
-
     if sample.target in RANK_BY_RANK and any(
             not isinstance(p, Replicate) for s in strategy.inputs for p in s):
         return run_local_impl(sample, strategy, mesh_shape)

@@ -10,7 +10,7 @@ from autopar.passes.strategy import P, R, Row, S
 
 @register(aten.embedding.default)
 def embedding_rule(info: OpInfo):
-    weight, idx = info.inputs[0], info.inputs[1]
+    idx = info.inputs[1]
     rows = [Row(S(d), (R, S(d))) for d in range(idx.ndim) if idx.shape[d] > 1]
     rows.append(Row(S(idx.ndim), (S(1), R)))      # hidden dim split
     rows.append(Row(P, (S(0), R)))                # vocabulary split: masked lookup, summed
@@ -83,5 +83,3 @@ def like_rule(info: OpInfo):
     rows.append(Row(R, (R,)))
     return rows
 
-
-__all__ = ["P"]
