@@ -14,7 +14,7 @@ from autopar.compiler import compile as compile_plan
 from autopar.errors import AutoparError
 from autopar.mesh import parse_mesh
 from autopar.plan import Plan
-from autopar.runtime import ParallelModule, in_torchrun, init_distributed
+from autopar.runtime import ParallelModule, agreed_plan, in_torchrun, init_distributed
 
 
 def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=None, plan: Plan | str | None = None,
@@ -50,7 +50,8 @@ def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=N
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = compile_plan(model, example_inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, **compile_options)
+        plan = agreed_plan(lambda: compile_plan(model, example_inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
+                                                **compile_options))
     if plan.pipeline:
         from autopar.pipeline_runtime import PipelinedModule, init_pipeline_mesh
         if local_inputs:
@@ -128,8 +129,8 @@ def _recompile(plain, shadow, first: ParallelModule, inputs, options):
     compile_options = {k: v for k, v in options.items()
                        if k not in ("loss_fn", "single_device", "local_inputs", "mesh", "cluster", "plan")}
     pins = {fqn: info["placements"] for fqn, info in first.plan.parameters.items()}
-    plan = compile_plan(shadow, meta_inputs, mesh=options["mesh"], cluster=options["cluster"], loss_fn=loss_fn,
-                        parameter_placements=pins, **compile_options)
+    plan = agreed_plan(lambda: compile_plan(shadow, meta_inputs, mesh=options["mesh"], cluster=options["cluster"],
+                                            loss_fn=loss_fn, parameter_placements=pins, **compile_options))
     graph = capture(shadow, meta_inputs, loss_fn)
     program = load_program(program_source(build_program(graph, plan, options.get("local_inputs", False)), plan))
     return ParallelModule(plain, plan, program, loss_fn=loss_fn, device_mesh=first.mesh,

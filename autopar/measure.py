@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     from autopar.capture import capture
     from autopar.codegen import build_program, load_program, program_source
     from autopar.compiler import compile as compile_plan
-    from autopar.runtime import ParallelModule, init_distributed, load_factory
+    from autopar.mesh import parse_mesh
+    from autopar.runtime import ParallelModule, agreed_plan, init_distributed, load_factory
 
     ap = argparse.ArgumentParser(prog="autopar.measure", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,8 +81,8 @@ def main(argv=None) -> int:
         from autopar.cost_models.cluster import get_cluster
         base = get_cluster(cluster)
         cluster = replace(base, device=replace(base.device, runtime_overhead=0.0))
-    plan = compile_plan(model, inputs, mesh=args.mesh, cluster=cluster, loss_fn=loss_fn)
-    device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
+    device_mesh = init_distributed(parse_mesh(args.mesh).shape, parse_mesh(args.mesh).names)
+    plan = agreed_plan(lambda: compile_plan(model, inputs, mesh=args.mesh, cluster=cluster, loss_fn=loss_fn))
     program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)

@@ -63,6 +63,17 @@ def init_distributed(mesh_shape, axis_names):
     return init_device_mesh(device, tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
 
 
+def agreed_plan(make_plan) -> Plan:
+    """Rank 0 plans and every rank runs that plan: ranks planning on their own
+    could break a cost tie differently (or stop at a time limit at different
+    points) and then disagree about the collectives to run."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make_plan()
+    obj = [make_plan().to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return Plan.from_json(obj[0])
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()

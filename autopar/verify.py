@@ -32,7 +32,7 @@ from autopar.cost_models.graph_costs import CostContext
 from autopar.mesh import parse_mesh
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.plan import Plan
-from autopar.runtime import ParallelModule, init_distributed, load_factory, relative_error
+from autopar.runtime import ParallelModule, agreed_plan, init_distributed, load_factory, relative_error
 from autopar.solver import Solution
 
 
@@ -62,10 +62,10 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     if plan_path:
         plan = Plan.load(plan_path)
     elif random_seed is not None:
-        plan = random_plan(model, inputs, loss_fn, mesh_, cluster, random_seed)
+        plan = agreed_plan(lambda: random_plan(model, inputs, loss_fn, mesh_, cluster, random_seed))
     else:
-        plan = compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn, source=source,
-                            **compile_options)
+        plan = agreed_plan(lambda: compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
+                                                source=source, **compile_options))
     graph = capture(model, inputs, loss_fn)
     program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh,

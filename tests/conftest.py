@@ -24,12 +24,19 @@ def torchrun(args: list, nproc: int, timeout: int = 600, extra: list | None = No
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def first_error(stderr: str) -> str:
+    """The first rank's traceback (later ranks often only report a lost peer)."""
+    lines = stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
+    return "\n".join(lines[start:start + 60]) + "\n...\n" if start is not None else ""
+
+
 def verify(source: str, mesh: str, nproc: int, tmp_path, *, cluster: str = "tests/fixtures/fastnet.json",
            random_plans: int = 1, extra: list | None = None) -> list:
     out = tmp_path / "report.json"
     proc = torchrun(["-m", "autopar.verify", source, "--mesh", mesh, "--cluster", cluster,
                      "--random-plans", str(random_plans), "--json", str(out), *(extra or [])], nproc)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + first_error(proc.stderr) + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, free_port, torchrun, verify
+from conftest import ROOT, first_error, free_port, torchrun, verify
 
 TOL = 1e-5
 
@@ -151,7 +151,7 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
     out = tmp_path / "report.json"
     proc = torchrun(["-m", "autopar.verify", *MODELS, "--mesh", "4", "--mesh", "2x2",
                      "--cluster", "tests/fixtures/fastnet.json", "--json", str(out)], 4, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + first_error(proc.stderr) + proc.stderr[-5000:]
     import json
     reports = json.loads(out.read_text())
     assert sorted({(r["source"], r["mesh"]) for r in reports}) == sorted((m, mesh) for m in MODELS for mesh in "4 2x2".split())
