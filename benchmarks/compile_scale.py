@@ -60,6 +60,28 @@ def one(name: str) -> dict:
             "step_s": plan.predicted["step_time_s"], "mfu": plan.predicted["mfu"]}
 
 
+def pipelined(name: str) -> dict:
+    """The full compile with the memory row enforced: the planner factors the
+    devices into pp x dp x tp and searches stages, microbatches and schedule."""
+    import torch
+
+    import autopar
+    from gpt import GPT, GPTConfig, lm_loss
+
+    hidden, layers, heads, batch, devices, _ = MODELS[name]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=VOCAB, seq=SEQ, hidden=hidden, heads=heads, layers=layers))
+        idx = torch.randint(0, VOCAB, (batch, SEQ))
+    plan = autopar.compile(model, (idx, idx), mesh=devices, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16",
+                           pipeline_stages="auto")
+    pl = plan.pipeline or {}
+    return {"model": name, "devices": devices, "total_s": time.perf_counter() - t0, "mesh": str(plan.mesh),
+            "schedule": pl.get("schedule", "none"), "microbatches": pl.get("microbatches", 0),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "step_s": plan.predicted["step_time_s"], "memory_gib": plan.predicted["peak_memory_bytes"] / 2**30}
+
+
 def clustered_vs_unclustered() -> dict:
     import torch
 
@@ -83,9 +105,13 @@ def clustered_vs_unclustered() -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=sorted(MODELS))
+    ap.add_argument("--pipelined", choices=sorted(MODELS))
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one)))
+        return
+    if args.pipelined:
+        print(json.dumps(pipelined(args.pipelined)))
         return
     print(f"{'model':>6} {'GPUs':>5} {'mesh':>7} {'total s':>8} {'capture':>8} {'strat.':>7} {'solve':>7} "
           f"{'nodes':>6} {'solved':>6} {'vars':>7} {'RSS GB':>7} {'pred. step s':>12} {'MFU':>6}")
@@ -98,6 +124,16 @@ def main():
         print(f"{r['model']:>6} {r['devices']:>5} {r['mesh']:>7} {r['total_s']:>8.1f} {r['capture_s']:>8.1f} "
               f"{r['strategies_s']:>7.1f} {r['solve_s']:>7.1f} {r['nodes']:>6} {r['solved_nodes']:>6} "
               f"{r['variables']:>7} {r['peak_rss_gb']:>7.2f} {r['step_s']:>12.2f} {r['mfu']:>6.1%}")
+    print("\nwith pipeline parallelism (pipeline_stages='auto', memory row enforced, 80 GB):")
+    print(f"{'model':>6} {'GPUs':>5} {'total s':>8} {'RSS GB':>7}  {'plan':28} {'schedule':>17} {'step s':>7} {'GiB':>6}")
+    for name in ("175B", "1T"):
+        proc = subprocess.run([sys.executable, __file__, "--pipelined", name], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name:>6} failed: {proc.stderr.strip().splitlines()[-1]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{r['model']:>6} {r['devices']:>5} {r['total_s']:>8.1f} {r['peak_rss_gb']:>7.2f}  {r['mesh']:28} "
+              f"{r['schedule'] + ' x' + str(r['microbatches']):>17} {r['step_s']:>7.2f} {r['memory_gib']:>6.1f}")
     c = clustered_vs_unclustered()
     print(f"\nGPT 4x1024 on a 2x4 mesh: clustered objective {c['clustered'][0] * 1e3:.4f} ms "
           f"({c['clustered'][1]:.1f} s, {c['clustered'][2]}), unclustered {c['unclustered'][0] * 1e3:.4f} ms "
