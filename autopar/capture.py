@@ -69,6 +69,9 @@ class Graph:
     has_loss: bool
     out_spec: str = ""
     """The output pytree structure (torch.utils._pytree.treespec_dumps)."""
+    tied: dict = field(default_factory=dict)
+    """Parameter placeholder -> the placeholder of the same tensor under its
+    first name (tied weights, e.g. an LM head sharing the embedding)."""
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -140,7 +143,21 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
         ep = torch.export.export(wrapper, example_inputs, strict=False)
     except Exception as e:  # torch raises many types; keep the cause
         raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
-    return _to_graph(ep, len(example_inputs), loss_fn is not None)
+    graph = _to_graph(ep, len(example_inputs), loss_fn is not None)
+    graph.tied = _tied(wrapper, graph)
+    return graph
+
+
+def _tied(wrapper: nn.Module, graph: Graph) -> dict:
+    groups: dict = {}
+    for fqn, p in wrapper.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(_strip(fqn))
+    tied = {}
+    for names in groups.values():
+        placeholders = [graph.params[n] for n in names if n in graph.params]
+        for ph in placeholders[1:]:
+            tied[ph] = placeholders[0]
+    return tied
 
 
 def _strip(name: str) -> str:

@@ -77,7 +77,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
         if cluster_layers is None:
             cluster_layers = opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
-        classes = layer_classes(graph) if cluster_layers else None
+        classes = layer_classes(graph) if cluster_layers else {name: name for name in graph.nodes}
+        for alias, first in graph.tied.items():  # a tied weight has one placement under all its names
+            classes[alias] = classes[first]
         pinned = _pins(graph, strategies, parameter_placements or {}, classes)
     with phases("solve"):
         ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
@@ -96,7 +98,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     plan.recompute = {"mode": "none" if not layers else ("full" if len(layers) == every else "partial"),
                       "layers": layers,
                       "candidates": solution.extra.pop("recompute_candidates")}
-    plan.solver.update(opt_level=opt_level, clustered=bool(classes), relative_gap=relative_gap,
+    plan.solver.update(opt_level=opt_level, clustered=bool(cluster_layers), relative_gap=relative_gap,
                        memory_budget_bytes=budget)
     plan.predicted["optimizer"] = optimizer
     if deterministic:

@@ -111,7 +111,10 @@ class ParallelModule(nn.Module):
         self._local_inputs = local_inputs
         self._placements = {}
         nd = plan.mesh.ndim
-        names = dict(model.named_parameters())
+        names = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
+        aliases: dict = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(fqn)
         missing = [f for f in plan.parameters if f not in names]
         if missing:
             raise AutoparError(f"the plan shards parameters the model does not have: {missing[:5]}")
@@ -120,11 +123,18 @@ class ParallelModule(nn.Module):
             self._placements[fqn] = placements
             if sharded:
                 continue
-            full = names[fqn].detach().to(device)
-            parent, leaf = _split(fqn)
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, leaf, nn.Parameter(shard_of(full, placements, self.mesh),
-                                              requires_grad=names[fqn].requires_grad))
+            original = names[fqn]
+            for alias in aliases[id(original)]:
+                if alias in plan.parameters and plan.parameters[alias]["placements"] != info["placements"]:
+                    raise AutoparError(f"{fqn} and {alias} are one tied tensor but the plan places them "
+                                       f"{info['placements']} and {plan.parameters[alias]['placements']}; "
+                                       "recompile the plan with this autopar")
+            local = nn.Parameter(shard_of(original.detach().to(device), placements, self.mesh),
+                                 requires_grad=original.requires_grad)
+            for alias in aliases[id(original)]:  # tied weights: every name gets the same shard
+                parent, leaf = _split(alias)
+                setattr(model.get_submodule(parent) if parent else model, leaf, local)
+                self._placements[alias] = placements
         for fqn, buf in list(model.named_buffers()):
             parent, leaf = _split(fqn)
             owner = model.get_submodule(parent) if parent else model
@@ -147,7 +157,7 @@ class ParallelModule(nn.Module):
 
     def _flat_args(self, inputs):
         model = self._model[0]
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers())
         out = []
         for kind, key in self._order:

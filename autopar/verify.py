@@ -44,6 +44,8 @@ def random_plan(model, inputs, loss_fn, mesh, cluster, seed: int) -> Plan:
     strategies, _ = enumerate_strategies(graph, mesh.shape)
     rng = random.Random(seed)
     chosen = {name: rng.choice(s) for name, s in strategies.items()}
+    for alias, first in graph.tied.items():  # one tensor, one placement
+        chosen[alias] = chosen[first]
     ctx = CostContext.make(mesh.shape, get_cluster(cluster))
     sol = Solution({}, "RANDOM", 0.0, 0.0, 0, 0, 0.0)
     return build_plan(graph, chosen, strategies, ctx, mesh, sol, None)

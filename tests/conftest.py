@@ -16,12 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Signs that a rank process died underneath gloo (seen only when the 2-core
+# machine was overloaded by several launches at once), not that autopar failed.
+LOST_RANK = ("terminate called without an active exception", "Connection reset by peer")
+
+
 def torchrun(args: list, nproc: int, timeout: int = 600, extra: list | None = None) -> subprocess.CompletedProcess:
-    """Launch ``args`` (a script path or ['-m', module, ...]) on nproc local gloo ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *(extra or []), *args]
+    """Launch ``args`` (a script path or ['-m', module, ...]) on nproc local gloo ranks.
+    A launch that lost a rank process is run once more; any other failure stands."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), *(extra or []), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode == 0 or not any(sign in proc.stderr for sign in LOST_RANK) or attempt:
+            return proc
+    return proc
 
 
 def first_error(stderr: str) -> str:

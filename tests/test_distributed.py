@@ -142,12 +142,13 @@ def test_cli_pipelined_plan_codegen_and_run(tmp_path):
 
 
 MODELS = ["examples/llama.py:small", "examples/bert.py:small", "examples/vit.py:small",
-          "examples/resnet.py:small", "examples/moe.py:small", "examples/moe.py:grouped", "examples/cnn.py:small"]
+          "examples/resnet.py:small", "examples/moe.py:small", "examples/moe.py:grouped", "examples/cnn.py:small",
+          "examples/tied.py:small"]
 
 
 def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
-    """Llama, BERT, ViT, ResNet, MoE and a CNN: solved plans on a 1-D and a 2-D
-    mesh train like one device (one launch for all of them)."""
+    """Llama, BERT, ViT, ResNet, MoE, a CNN and a GPT with tied embedding/head:
+    solved plans on a 1-D and a 2-D mesh train like one device (one launch)."""
     out = tmp_path / "report.json"
     proc = torchrun(["-m", "autopar.verify", *MODELS, "--mesh", "4", "--mesh", "2x2",
                      "--cluster", "tests/fixtures/fastnet.json", "--json", str(out)], 4, timeout=900)

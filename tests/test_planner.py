@@ -154,3 +154,10 @@ def test_unknown_cluster_lists_presets():
     model, inputs, loss = make()
     with pytest.raises(autopar.ClusterError, match=r"valid presets are \['cpu', 'dgx-a100'"):
         autopar.compile(model, inputs, mesh=2, cluster="dgx-z9000", loss_fn=loss)
+
+
+def test_tied_weights_get_one_placement():
+    from tied import small
+    model, inputs, loss = small()
+    plan = autopar.compile(model, inputs, mesh=(2, 2), cluster="tests/fixtures/fastnet.json", loss_fn=loss)
+    assert plan.parameters["tok.weight"]["placements"] == plan.parameters["head.weight"]["placements"]
