@@ -100,12 +100,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, mlp=None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = (mlp or SwiGLU)(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -113,13 +113,16 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """``mlp``: the feed-forward module class of every block (SwiGLU by default;
+    examples/moe.py passes its mixture of experts)."""
+
+    def __init__(self, cfg: LlamaConfig, mlp=None):
         super().__init__()
         if cfg.heads % cfg.kv_heads:
             raise ValueError(f"heads ({cfg.heads}) must be a multiple of kv_heads ({cfg.kv_heads})")
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, mlp) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         cos, sin = rope_tables(cfg)

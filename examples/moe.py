@@ -4,7 +4,7 @@ token's router logits go through a softmax, the top-2 experts are kept and
 their weights renormalised; every expert is a SwiGLU MLP, and the experts'
 weights are stored batched as (experts, in, out) tensors.
 
-Attention, RMSNorm and rotary embeddings are Llama's (examples/llama.py).
+Everything but the feed-forward is Llama's (examples/llama.py).
 
 Dispatch is dense: every expert runs on every token (einsum over the batched
 weights) and a (tokens, experts) combine matrix, zero except at each token's two
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama import Attention, RMSNorm, lm_loss, rope_tables
+from llama import Llama, lm_loss
 
 
 @dataclass(frozen=True)
@@ -89,37 +89,11 @@ class MoE(nn.Module):
         return torch.einsum("bse,ebsh->bsh", combine, y)                       # combine
 
 
-class Block(nn.Module):
+class MoETransformer(Llama):
+    """Llama with the feed-forward of every block replaced by the mixture of experts."""
+
     def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.attn = Attention(cfg)
-        self.moe_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.moe = MoE(cfg)
-
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.moe(self.moe_norm(x))
-
-
-class MoETransformer(nn.Module):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, idx):
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = block(x, self.cos, self.sin)
-        return self.head(self.norm(x))
-
+        super().__init__(cfg, mlp=MoE)
 
 
 def small(batch: int = 8):

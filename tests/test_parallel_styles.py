@@ -32,7 +32,7 @@ def test_moe_many_experts_small_batch_is_expert_parallel_with_all_to_all():
     plan = autopar.compile(model, (idx, idx), mesh=4, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
     for layer in (0, 1):
         for w in ("w1", "w2", "w3"):
-            assert plan.parameters[f"blocks.{layer}.moe.{w}"]["placements"] == ["S(0)"]
+            assert plan.parameters[f"blocks.{layer}.ffn.{w}"]["placements"] == ["S(0)"]
     moe_all_to_all = [c for c in plan.collectives
-                      if c["kind"] == "all_to_all" and ".moe" in plan.node(c["node"]).location]
+                      if c["kind"] == "all_to_all" and ".ffn" in plan.node(c["node"]).location]
     assert {c["phase"] for c in moe_all_to_all} == {"forward", "backward"}
