@@ -97,8 +97,8 @@ def regions_label(graph: Graph, names: list) -> str:
 
 def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
     """Node names of each recomputed layer, in program order (each must be contiguous)."""
-    from autopar.passes.cluster import layer_of
-    wanted = {tuple(_split(p)) for p in plan.recompute.get("layers", [])}
+    from autopar.passes.cluster import layer_of, parse_layer
+    wanted = {parse_layer(p) for p in plan.recompute.get("layers", [])}
     if not wanted:
         return []
     order = [n.name for n in graph.gm.graph.nodes]
@@ -116,11 +116,6 @@ def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
                             "it cannot be recomputed as one region (compile with recompute='none')")
         out.append(names)
     return out
-
-
-def _split(path: str) -> tuple:
-    lst, _, i = path.rpartition(".")
-    return lst, int(i)
 
 
 class _Emitter:

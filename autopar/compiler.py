@@ -20,7 +20,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers
+from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers, parse_layer
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
@@ -89,7 +89,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned)
     with phases("plan"):
         chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-        recomputed = nodes_of_layers(graph, {_split_layer(p) for p in layers})
+        recomputed = nodes_of_layers(graph, {parse_layer(p) for p in layers})
         plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, recomputed)
     plan.fallbacks = [vars(f) for f in fallbacks]
     plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
@@ -208,11 +208,6 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
         warnings.warn("autopar: " + msg, stacklevel=3)
         notes.append(msg)
     return notes
-
-
-def _split_layer(path: str) -> tuple:
-    lst, _, i = path.rpartition(".")
-    return (lst, int(i))
 
 
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,

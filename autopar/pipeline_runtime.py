@@ -55,6 +55,7 @@ from autopar.passes.strategy import fmt_spec, parse_spec
 from autopar.pipeline import PP_AXIS, Layers, Schedule, group_layers, inner_spec, stage_ranges
 from autopar.plan import NodePlan, Plan
 from autopar.runtime import in_torchrun, load_factory, relative_error, shard_of, torchrun_command
+from autopar.verify import finish
 
 SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
              Schedule.INTERLEAVED: ScheduleInterleaved1F1B}
@@ -558,21 +559,13 @@ def main(argv=None) -> int:
              for r in reports)
     locals_ = [None] * dist.get_world_size()
     dist.all_gather_object(locals_, [r["local_parameters"] for r in reports])
-    if dist.get_rank() == 0:
-        for i, r in enumerate(reports):
-            r["local_parameters_by_rank"] = [x[i] for x in locals_]
-            print(f"{r['source']} on {r['mesh']} ({r['plan']['schedule']}, {r['plan']['microbatches']} microbatches, "
-                  f"recompute {r['plan']['recompute']['mode']}, "
-                  f"stages {[s['layers'] for s in r['plan']['stages']]}): loss rel err {r['loss_rel']:.1e}, "
-                  f"grad rel err {r['grad']:.1e}, param rel err after {args.steps} AdamW steps {r['param']:.1e} "
-                  f"(max abs {r['param_max_abs']:.1e}), eval loss rel err {r['eval_loss_rel']:.1e}")
-        print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {args.tol:g})")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(reports, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    for i, r in enumerate(reports):
+        r["local_parameters_by_rank"] = [x[i] for x in locals_]
+    return finish(reports, ok, args.tol, args.json, lambda r: (
+        f"{r['source']} on {r['mesh']} ({r['plan']['schedule']}, {r['plan']['microbatches']} microbatches, "
+        f"recompute {r['plan']['recompute']['mode']}, stages {[s['layers'] for s in r['plan']['stages']]}): "
+        f"loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, param rel err after {args.steps} AdamW "
+        f"steps {r['param']:.1e} (max abs {r['param_max_abs']:.1e}), eval loss rel err {r['eval_loss_rel']:.1e}"))
 
 
 if __name__ == "__main__":

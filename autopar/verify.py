@@ -153,14 +153,20 @@ def main(argv=None):
                 reports.append({**r, "source": source, "mesh": mesh,
                                 "label": f"{name} mesh {mesh}, random plan {seed}".strip()})
     ok = all(max(r["loss_rel"], r["grad"], r["param"]) <= args.tol for r in reports)
+    return finish(reports, ok, args.tol, args.json, lambda r: (
+        f"{r['label']}: loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, "
+        f"param rel err after {args.steps} AdamW steps {r['param']:.1e} (max abs {r['param_max_abs']:.1e})"))
+
+
+def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> int:
+    """Rank 0 prints a line per report and the verdict (and writes the reports
+    as JSON); every rank leaves the process group. The exit status says ok."""
     if dist.get_rank() == 0:
         for r in reports:
-            print(f"{r['label']}: loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, "
-                  f"param rel err after {args.steps} AdamW steps {r['param']:.1e} "
-                  f"(max abs {r['param_max_abs']:.1e})")
-        print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {args.tol:g})")
-        if args.json:
-            with open(args.json, "w") as f:
+            print(line(r))
+        print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {tol:g})")
+        if json_path:
+            with open(json_path, "w") as f:
                 json.dump(reports, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

@@ -102,6 +102,15 @@ def clustered_vs_unclustered() -> dict:
             "gap": out[True][0] / out[False][0] - 1}
 
 
+def _row(flag: str, name: str) -> dict | None:
+    """One benchmark row in a fresh process (so that its peak RSS is its own)."""
+    proc = subprocess.run([sys.executable, __file__, flag, name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"{name:>6} failed: {proc.stderr.strip().splitlines()[-1]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=sorted(MODELS))
@@ -116,22 +125,18 @@ def main():
     print(f"{'model':>6} {'GPUs':>5} {'mesh':>7} {'total s':>8} {'capture':>8} {'strat.':>7} {'solve':>7} "
           f"{'nodes':>6} {'solved':>6} {'vars':>7} {'RSS GB':>7} {'pred. step s':>12} {'MFU':>6}")
     for name in MODELS:
-        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{name:>6} failed: {proc.stderr.strip().splitlines()[-1]}")
+        r = _row("--one", name)
+        if r is None:
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{r['model']:>6} {r['devices']:>5} {r['mesh']:>7} {r['total_s']:>8.1f} {r['capture_s']:>8.1f} "
               f"{r['strategies_s']:>7.1f} {r['solve_s']:>7.1f} {r['nodes']:>6} {r['solved_nodes']:>6} "
               f"{r['variables']:>7} {r['peak_rss_gb']:>7.2f} {r['step_s']:>12.2f} {r['mfu']:>6.1%}")
     print("\nwith pipeline parallelism (pipeline_stages='auto', memory row enforced, 80 GB):")
     print(f"{'model':>6} {'GPUs':>5} {'total s':>8} {'RSS GB':>7}  {'plan':28} {'schedule':>17} {'step s':>7} {'GiB':>6}")
     for name in ("175B", "1T"):
-        proc = subprocess.run([sys.executable, __file__, "--pipelined", name], capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{name:>6} failed: {proc.stderr.strip().splitlines()[-1]}")
+        r = _row("--pipelined", name)
+        if r is None:
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{r['model']:>6} {r['devices']:>5} {r['total_s']:>8.1f} {r['peak_rss_gb']:>7.2f}  {r['mesh']:28} "
               f"{r['schedule'] + ' x' + str(r['microbatches']):>17} {r['step_s']:>7.2f} {r['memory_gib']:>6.1f}")
     c = clustered_vs_unclustered()

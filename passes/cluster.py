@@ -75,6 +75,12 @@ def summary(rep: dict) -> dict:
     return {"nodes": len(rep), "solved_nodes": len(reps), "clustered_nodes": clustered}
 
 
+def parse_layer(path: str) -> tuple[str, int]:
+    """"blocks.3" -> ("blocks", 3), the inverse of how plans name layers."""
+    lst, _, i = path.rpartition(".")
+    return lst, int(i)
+
+
 def layer_lists(graph: Graph) -> dict[str, list[int]]:
     """Numbered layer lists of the graph, e.g. {"blocks": [0, 1, ..., 23]}."""
     out: dict = defaultdict(set)
