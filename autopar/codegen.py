@@ -134,7 +134,8 @@ class _Emitter:
             ph = g.placeholder(src.name)
             spec = specs[src.name].output_spec
             if node.kind is NodeKind.PARAM:
-                env[src.name] = g.call_function(spmd.param, (ph, spec))
+                regather = self.plan.parameters.get(node.fqn, {}).get("regather", False)
+                env[src.name] = g.call_function(spmd.param, (ph, spec, True) if regather else (ph, spec))
             elif node.kind is NodeKind.INPUT:
                 shape = self.inputs[src.name]["shape"]
                 env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, self.local_inputs))

@@ -11,13 +11,15 @@ import time
 import warnings
 
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
-    optimizer_time,
+    gather_transient, optimizer_time, replays,
 )
+from autopar.cost_models.collectives import Collective
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
 from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers, parse_layer
@@ -162,7 +164,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         if best is None or sol.objective_s < best[0].objective_s:
             best = (sol, chosen)
     if best is None:
-        raise errors[-1]
+        raise min(errors, key=lambda e: e.needed_bytes if e.needed_bytes is not None else float("inf"))
     sol, chosen = best
     sol.extra["recompute_candidates"] = candidates
     return sol, [f"{lst}.{i}" for lst, i in sorted(chosen)]
@@ -216,8 +218,10 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     from autopar.solver import _first_instance
     live_again = _first_instance(set(recomputed), graph)
     nodes, collectives = [], []
-    compute = comm = 0.0
-    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
+    gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
+    compute = comm = backward_s = sync_s = 0.0
+    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
+              "buffers": 0.0}
     ms = mesh.shape
     for node in graph.nodes.values():
         s = chosen[node.name]
@@ -225,6 +229,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         if node.name in recomputed:
             b += f  # the forward runs again in backward
         compute += f + b
+        backward_s += b
         parts = memory_breakdown(node, s, ctx, node.name in grad)
         if node.name in recomputed and node.name not in live_again:
             parts = {k: v for k, v in parts.items() if k != "activations"}
@@ -235,16 +240,24 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                               [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), f + b, mem,
                               len(strategies[node.name])))
         for idx, src in enumerate(node.inputs):
-            src_spec = chosen[src].output
+            src_spec, regather = chosen[src].output, chosen[src].regather
             meta = graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, node.name in grad and src in grad)
             kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
-            held = edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
+            held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
             memory["activations"] += held
             nodes[-1].memory_bytes += held
-            for phase, moves in (("forward", fwd), ("backward", bwd)):
+            if graph.nodes[src].kind is NodeKind.PARAM:
+                memory["buffers"] = max(memory["buffers"], gather_transient(
+                    fwd, s.inputs[idx], meta, ctx, regather, node.name in grad and src in grad))
+            if graph.nodes[src].kind is NodeKind.PARAM and any(m.kind is Collective.ALL_GATHER for m in fwd):
+                gathered.add(src)
+            again = fwd if replays(regather, node.name in recomputed, node.name in grad) else []
+            for phase, moves in (("forward", fwd), ("backward", bwd), ("recompute", again)):
                 for m in moves:
                     comm += m.seconds
+                    if phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM:
+                        sync_s += m.seconds
                     collectives.append({
                         "kind": m.kind.value, "phase": phase, "mesh_axes": [mesh.names[m.axis]],
                         "bytes": m.nbytes, "seconds": m.seconds, "node": node.name, "producer": src,
@@ -256,7 +269,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         spec = chosen[ph].output
         shape = graph.nodes[ph].out.shape
         params[fqn] = {"placements": [fmt_spec((p,)) for p in spec], "shape": list(shape),
-                       "local_shape": list(local_shape(shape, spec, ms)), "dtype": str(graph.nodes[ph].out.dtype)}
+                       "local_shape": list(local_shape(shape, spec, ms)), "dtype": str(graph.nodes[ph].out.dtype),
+                       **zero_stage(spec, ph in gathered, chosen[ph].regather, ms)}
     inputs = []
     for node in graph.nodes.values():
         if node.kind is NodeKind.INPUT:
@@ -265,17 +279,21 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                            "shape": list(node.out.shape), "dtype": str(node.out.dtype),
                            "local_shape": list(local_shape(node.out.shape, spec, ms))})
     total_flops = _model_flops(graph, grad)
-    step = compute + comm
+    # gradient sync under backward compute where the cluster overlaps them
+    exposed_sync = max(0.0, sync_s - backward_s) if ctx.cluster.overlap_grad_sync else sync_s
+    step = compute + comm - sync_s + exposed_sync
     # Activations are at their most at the end of the forward, before any
-    # gradient exists; gradients build up in backward as activations are freed,
-    # and the optimizer step adds its temporaries next to the gradients.
+    # gradient exists, when the first gathered parameter's full gradient (and
+    # regathered copy) joins them; gradients build up in backward as
+    # activations are freed, and the optimizer step adds its temporaries.
     step_temp = optimizer_step_bytes(memory["parameters"], ctx)
     optimizer_s = sum(optimizer_time(n, chosen[n.name], ctx) for n in graph.nodes.values())
     step += optimizer_s
     peak = memory["parameters"] + memory["optimizer"] + memory["inputs"] + max(
-        memory["activations"], memory["gradients"] + step_temp)
+        memory["activations"] + memory["buffers"], memory["gradients"] + step_temp)
     predicted = {
-        "step_time_s": step, "compute_s": compute, "comm_s": comm, "bubble_s": 0.0, "optimizer_s": optimizer_s,
+        "step_time_s": step, "compute_s": compute, "comm_s": comm - sync_s + exposed_sync, "bubble_s": 0.0,
+        "optimizer_s": optimizer_s, "grad_sync_s": sync_s, "grad_sync_exposed_s": exposed_sync,
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
         "model_flops": total_flops,
@@ -292,6 +310,21 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
               "variables": solution.variables, "constraints": solution.constraints, **solution.extra}
     return Plan(mesh, ctx.cluster.to_json(), topology, model, params, inputs, nodes, collectives,
                 predicted, solver)
+
+
+def zero_stage(spec: tuple, gathered: bool, regather: bool, mesh_shape: tuple) -> dict:
+    """How a parameter is held, in ZeRO's terms (Rajbhandari et al. 2020):
+    stage 2 when it is stored sharded and a consumer gathers the full copy and
+    keeps it until backward, 3 when backward gathers it again instead, 0 when
+    it is stored replicated on a mesh axis of size > 1 (plain data parallelism
+    there: a gradient all-reduce), none when tensor parallelism alone shards
+    it. Stage 1 (sharded optimizer state, replicated gradients) is not a
+    separate choice: without gradient accumulation stage 2 moves the same
+    bytes and holds less."""
+    if gathered:
+        return {"zero_stage": 3 if regather else 2, "regather": regather}
+    replicated = any(not isinstance(p, Shard) and size > 1 for p, size in zip(spec, mesh_shape))
+    return {"zero_stage": 0 if replicated else None, "regather": False}
 
 
 def _placeholders(graph: Graph) -> list:

@@ -45,6 +45,8 @@ The steps, in order:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import logging
 import time
@@ -340,7 +342,11 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision
     variables (passes/cluster.py), with no memory row: memory is checked per
     stage by the pipeline search. Mirrors autopar.compile's steps."""
     strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
-    ctx = CostContext.make(submesh.shape, cluster, optimizer, precision)
+    # stages keep gathered parameters until backward (ZeRO-2 at most): the
+    # stage pricing below and the stage programs do not regather
+    strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
+    # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
+    ctx = CostContext.make(submesh.shape, dataclasses.replace(cluster, overlap_grad_sync=False), optimizer, precision)
     solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
                      classes=layer_classes(graph))
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}

@@ -14,7 +14,9 @@ from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
 
 SCHEMA = "autopar.plan/1"
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "recompute", "optimizer")
+"""When a collective runs: "recompute" is a forward collective run again in
+backward (a recomputed layer, or a ZeRO-3 parameter gathered again)."""
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 

@@ -37,17 +37,21 @@ def layer_class(fqn: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
+ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
+"""How each parameter is held (autopar.compiler.zero_stage)."""
+
+
 def parameter_rows(plan: Plan, all_rows: bool = False) -> list[tuple]:
     groups: dict = defaultdict(list)
     for fqn, p in plan.parameters.items():
-        key = fqn if all_rows else (layer_class(fqn), tuple(p["placements"]))
+        key = fqn if all_rows else (layer_class(fqn), tuple(p["placements"]), p.get("zero_stage"))
         groups[key].append((fqn, p))
     rows = []
     for key, members in groups.items():
         fqn, p = members[0]
         name = fqn if all_rows or len(members) == 1 else f"{layer_class(fqn)} (x{len(members)})"
-        rows.append((name, " ".join(p["placements"]), "x".join(map(str, p["shape"])),
-                     "x".join(map(str, p["local_shape"]))))
+        rows.append((name, " ".join(p["placements"]), ZERO_LABELS.get(p.get("zero_stage", "unknown"), "-"),
+                     "x".join(map(str, p["shape"])), "x".join(map(str, p["local_shape"]))))
     return rows
 
 
@@ -73,16 +77,17 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
               f"MFU {pred.get('mfu', 0.0):.1%}")
 
     mem = Table(title="memory per device", title_justify="left")
-    for col in ("parameters", "gradients", "optimizer", "activations", "inputs", "peak", "capacity"):
+    kinds = ("parameters", "gradients", "optimizer", "activations", "buffers", "inputs")
+    for col in (*kinds, "peak", "capacity"):
         mem.add_column(col, justify="right")
     m = pred.get("memory", {})
-    mem.add_row(*(fmt_bytes(m.get(k, 0.0)) for k in ("parameters", "gradients", "optimizer", "activations", "inputs")),
+    mem.add_row(*(fmt_bytes(m.get(k, 0.0)) for k in kinds),
                 fmt_bytes(pred["peak_memory_bytes"]), fmt_bytes(pred.get("memory_capacity_bytes", 0.0)))
     con.print(mem)
 
     params = Table(title="parameters" + ("" if all_nodes else " (per layer class; --all for every one)"),
                    title_justify="left")
-    for col in ("parameter", "placements", "shape", "local shape"):
+    for col in ("parameter", "placements", "held as", "shape", "local shape"):
         params.add_column(col)
     for row in parameter_rows(plan, all_nodes):
         params.add_row(*row)

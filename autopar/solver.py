@@ -4,8 +4,10 @@ Variables: x[n, s] (node n runs strategy s) and, for every edge whose two ends
 both have a choice, y[e, p, k] (producer emits spec p, consumer wants key k =
 its input spec and the gradient spec that flows back). Flow constraints tie y
 to x on both sides, so the products x[u]·x[v] are linear. The objective is the
-step time: compute (forward + backward) plus every resharding forward and
-backward; the memory constraint bounds each device's bytes.
+step time: compute (forward + backward), every resharding forward and
+backward, and the optimizer step; on clusters that overlap gradient
+synchronisation with backward, backward + sync is max(backward, sync). The
+memory constraint bounds each device's bytes.
 Solved as a MIP through OR-tools (HiGHS by default; SCIP, CBC or CP-SAT on
 request). x are binary; y may be continuous: with integral x the flow
 constraints force them to 0/1. The objective is in microseconds.
@@ -23,7 +25,8 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, seconds, splits,
+    CostContext, edge_memory, edge_moves, needs_grad, step_temporaries, node_compute, node_memory, optimizer_time, param_transient,
+    replays, seconds, splits,
 )
 from autopar.cost_models.resharding import grad_spec
 from autopar.errors import InfeasibleError
@@ -98,50 +101,86 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 if i != pinned[name]:
                     v.SetUb(0)
         node, backward = graph.nodes[name], name in grad
-        priced[name] = [(node_compute(node, st, ctx, backward), node_memory(node, st, ctx, backward))
-                        for st in strats]
+        priced[name] = [(node_compute(node, st, ctx, backward), node_memory(node, st, ctx, backward)
+                         + step_temporaries(node, st, ctx), optimizer_time(node, st, ctx)) for st in strats]
+    # Gradient synchronisation hides under backward compute where the cluster
+    # overlaps them (Cluster.overlap_grad_sync): the objective then pays only
+    # the exposed part, max(0, sync - backward compute) (see after the first
+    # solve). The optimizer step is priced per parameter shard.
+    overlap = ctx.cluster.overlap_grad_sync
+    sync: dict = {}  # variable -> gradient-sync microseconds
+    backward_us: dict = {}  # variable -> backward compute microseconds (with recomputation)
     for name in graph.nodes:
         r = rep[name]
         again = name in recomputed
-        for i, ((f, b), m) in enumerate(priced[r]):
-            add(objective, x[r][i], (f + b + (f if again else 0.0)) * US)
+        for i, ((f, b), m, opt) in enumerate(priced[r]):
+            b += f if again else 0.0  # the forward runs again in backward
+            add(objective, x[r][i], (f + b + opt) * US)
+            add(backward_us, x[r][i], b * US if overlap else 0.0)
             if graph.nodes[name].kind is NodeKind.OP and again:
                 m = m if name in live_again else 0.0
             add(mem, x[r][i], m)
 
+    # The largest gathered-parameter transient (graph_costs.gather_transient)
+    # counts once: T >= its bytes for every sharded parameter choice (an upper
+    # bound: a tensor-parallel consumer of the shard gathers nothing).
+    biggest = model.NumVar(0.0, model.infinity(), "transient")
+    mem[biggest] = 1.0
+    for name in count:
+        node = graph.nodes[name]
+        if node.kind is not NodeKind.PARAM or name not in grad:
+            continue
+        for i, st in enumerate(strategies[name]):
+            nbytes = param_transient(node, st, ctx)
+            if nbytes:
+                row = model.Constraint(0.0, model.infinity())
+                row.SetCoefficient(biggest, 1.0 / 2**20)
+                row.SetCoefficient(x[name][i], -nbytes / 2**20)
+
     # Edges with the same representatives share variables; `kept` counts the
-    # copies whose resharded input stays alive for backward (not recomputed).
-    edges, kept = Counter(), Counter()
+    # copies whose resharded input stays alive for backward (not recomputed),
+    # `replayed` the recomputed consumers (their forward collectives run again)
+    # and `plain` the others.
+    edges, kept, replayed = Counter(), Counter(), Counter()
     for node in graph.nodes.values():
         for idx, src in enumerate(node.inputs):
             key = (rep[src], rep[node.name], idx)
             edges[key] += 1
             if node.name not in recomputed or node.name in live_again:
                 kept[key] += 1
+            if node.name in recomputed:
+                replayed[key] += 1
     for (src, dst, idx), times in edges.items():
         prod, cons = strategies[src], strategies[dst]
         meta = graph.nodes[src].outputs[0]
         backward = dst in grad and src in grad
         out_groups: dict = {}
         for i, s in enumerate(prod):
-            out_groups.setdefault(s.output, []).append(i)
+            out_groups.setdefault((s.output, s.regather), []).append(i)
         in_groups: dict = {}
         for j, s in enumerate(cons):
             key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
             in_groups.setdefault(key, []).append((j, s))
-        cost, held = {}, {}
+        cost, held, synced = {}, {}, {}
         saved = dst in grad and kept[src, dst, idx] > 0
+        hides = overlap and graph.nodes[src].kind is NodeKind.PARAM
+        plain = times - replayed[src, dst, idx]
         for p in out_groups:
+            spec, regather = p
             for key, members in in_groups.items():
-                f, b = edge_moves(p, members[0][1], idx, meta, ctx, backward)
-                cost[p, key] = (seconds(f) + seconds(b)) * US * times
-                held[p, key] = edge_memory(p, key[0], meta, ctx, saved) * kept[src, dst, idx]
+                f, b = edge_moves(spec, members[0][1], idx, meta, ctx, backward)
+                again = replayed[src, dst, idx] + (plain if replays(regather, False, dst in grad) else 0)
+                cost[p, key] = ((seconds(f) + (0.0 if hides else seconds(b))) * times + seconds(f) * again) * US
+                synced[p, key] = seconds(b) * times * US if hides else 0.0
+                held[p, key] = 0.0 if regather else \
+                    edge_memory(spec, key[0], meta, ctx, saved) * kept[src, dst, idx]
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
             for key, members in in_groups.items():
                 for j, _ in members:
                     add(objective, x[dst][j], cost[p0, key])
                     add(mem, x[dst][j], held[p0, key])
+                    add(sync, x[dst][j], synced[p0, key])
             continue
         if len(in_groups) == 1:  # the consumer's input is fixed
             (k0,) = in_groups
@@ -149,12 +188,14 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 for i in members:
                     add(objective, x[src][i], cost[p, k0])
                     add(mem, x[src][i], held[p, k0])
+                    add(sync, x[src][i], synced[p, k0])
             continue
         y = {}
         for (p, key), c in cost.items():
             y[p, key] = model.NumVar(0.0, 1.0, "")
             add(objective, y[p, key], c)
             add(mem, y[p, key], held[p, key])
+            add(sync, y[p, key], synced[p, key])
         for p, members in out_groups.items():
             row = model.Constraint(0, 0)
             for k in in_groups:
@@ -170,9 +211,9 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     if memory_budget is not None:
         # in MiB so that the row is well scaled next to the objective
-        row = model.Constraint(-model.infinity(), memory_budget / 2**20)
+        budget_row = model.Constraint(-model.infinity(), memory_budget / 2**20)
         for v, c in mem.items():
-            row.SetCoefficient(v, c / 2**20)
+            budget_row.SetCoefficient(v, c / 2**20)
     obj = model.Objective()
     for v, c in objective.items():
         obj.SetCoefficient(v, c)
@@ -182,16 +223,41 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     with _quiet_stdout():
         status = model.Solve(params)
+    if overlap and status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        # Solved with gradient sync free. If the plan's sync outlasts its
+        # backward compute, price the exposed part, max(0, sync - backward),
+        # with a variable above both, and solve again. (The first optimum is
+        # exact when its sync hides: no plan costs less with the exposed part.)
+        value = lambda table: sum(c * v.solution_value() for v, c in table.items())  # noqa: E731
+        if value(sync) > value(backward_us) * (1 + 1e-9):
+            exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
+            obj.SetCoefficient(exposed, 1.0)
+            row = model.Constraint(0.0, model.infinity())  # exposed - sync + backward >= 0
+            row.SetCoefficient(exposed, 1.0)
+            for v, c in backward_us.items():
+                row.SetCoefficient(v, c)
+            for v, c in sync.items():
+                row.SetCoefficient(v, row.GetCoefficient(v) - c)
+            with _quiet_stdout():
+                status = model.Solve(params)
     wall = time.perf_counter() - t0
     names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
              pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
-            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set())
+            # the same model, minimising memory without the budget: the least any plan needs
+            budget_row.SetUb(model.infinity())
+            obj.Clear()
+            for v, c in mem.items():
+                obj.SetCoefficient(v, c / 2**20)
+            with _quiet_stdout():
+                least = model.Solve(params)
+            need = obj.Value() * 2**20 if least in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE) else None
+            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set(), need)
         raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
     chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
     choice = {name: chosen[rep[name]] for name in graph.nodes}
-    used = sum(c for v, c in mem.items() if v.solution_value() > 0.5)
+    used = sum(c * v.solution_value() for v, c in mem.items() if v is biggest or v.solution_value() > 0.5)
     bound = obj.BestBound() / US
     value = obj.Value() / US
     return Solution(choice, names[status], value, wall, model.NumVariables(), model.NumConstraints(), float(used),
@@ -209,8 +275,10 @@ def _first_instance(recomputed: set, graph: Graph) -> set:
     return {n for n in recomputed if layer_of(graph.nodes[n]) == first}
 
 
-def _infeasible(graph, strategies, ctx, grad, budget, recomputed) -> InfeasibleError:
-    """Smallest memory any plan needs (each node at its smallest), and the biggest parts."""
+def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | None) -> InfeasibleError:
+    """The error for a budget no plan fits: the least memory any plan needs
+    (``need``, from the ILP minimising memory; else each node at its smallest,
+    a lower bound), and the biggest parts."""
     least = {}
     live_again = _first_instance(recomputed, graph)
     for node in graph.nodes.values():
@@ -218,12 +286,13 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed) -> InfeasibleE
             least[node.name] = 0.0
             continue
         least[node.name] = min(node_memory(node, s, ctx, node.name in grad) for s in strategies[node.name])
-    need = sum(least.values())
+    need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
-    parts = ", ".join(f"{graph.nodes[n].fqn or n} {b / 2**20:.1f} MiB" for n, b in top)
+    from autopar.report import fmt_bytes
+    parts = ", ".join(f"{graph.nodes[n].fqn or n} {fmt_bytes(b)}" for n, b in top)
     return InfeasibleError(
-        f"no plan fits in {budget / 2**30:.2f} GiB per device: the smallest plan needs at least "
-        f"{need / 2**30:.2f} GiB per device (biggest contributors: {parts}); "
+        f"no plan fits in {fmt_bytes(budget)} per device: the smallest plan needs at least "
+        f"{fmt_bytes(need)} per device (biggest contributors: {parts}); "
         f"give more memory per device or a larger mesh",
         needed_bytes=need,
     )

@@ -18,6 +18,8 @@ import contextlib
 import functools
 import math
 import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -52,11 +54,18 @@ def _spec(text: str, ndim: int) -> tuple:
     return parse_spec(text, ndim)
 
 
-def param(local: torch.Tensor, spec: str) -> DTensor:
+def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
     """A parameter's local shard as a DTensor; its gradient comes back in ``spec``
-    (the gradient all-reduce / reduce-scatter happens here, in backward)."""
+    (the gradient all-reduce / reduce-scatter happens here, in backward).
+
+    ``regather`` (ZeRO-3): the full copies ``reshard`` gathers from it are not
+    kept for backward; ops that save them save a note instead, and backward
+    gathers the parameter again (see ``_Regather``)."""
     mesh = _mesh()
-    return DTensor.from_local(local, mesh, _spec(spec, mesh.ndim), run_check=False)
+    dt = DTensor.from_local(local, mesh, _spec(spec, mesh.ndim), run_check=False)
+    if regather:
+        dt._autopar_regather = True
+    return dt
 
 
 def replicate(t: torch.Tensor) -> DTensor:
@@ -91,11 +100,77 @@ def reshard(x: DTensor, spec: str) -> DTensor:
     want = _spec(spec, mesh.ndim)
     to_partial = [isinstance(b, Partial) and a != b for a, b in zip(x.placements, want)]
     if not any(to_partial):
-        return x.redistribute(mesh, want)
+        out = x.redistribute(mesh, want)
+        if getattr(x, "_autopar_regather", False) and not getattr(_state, "in_checkpoint", False):
+            _regather.add(x, out)
+        return out
     # DTensor redistributes to Partial only internally: go through Replicate, then
     # keep the value on one rank of each such axis (zeros elsewhere).
     via = tuple(Replicate() if tp else b for tp, b in zip(to_partial, want))
     return _ToPartial.apply(x.redistribute(mesh, via), want)
+
+
+# --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
+
+class _Regather:
+    """The full copies of regathered parameters that are alive in this forward,
+    by storage. An op that would save one for backward saves (parameter shard,
+    placements, view geometry) instead, and unpacking gathers it again: the
+    all-gather runs once more in backward, identically on every rank, and the
+    full parameter is freed after its last forward use (ZeRO stage 3;
+    Rajbhandari et al. 2020, sec. 5.3)."""
+
+    def __init__(self):
+        self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard DTensor, placements)
+
+    def add(self, source: DTensor, gathered: DTensor) -> None:
+        local = gathered._local_tensor
+        if hasattr(local, "wait"):  # an in-flight functional collective
+            local = local.wait()
+            gathered._local_tensor = local
+        self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
+        self.live[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, gathered.placements)
+
+    def _entry(self, t: torch.Tensor):
+        if not self.live or type(t) is not torch.Tensor:
+            return None
+        entry = self.live.get(t.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None:
+            return None
+        return entry
+
+    def involved(self, tensors) -> bool:
+        return any(isinstance(t, torch.Tensor) and self._entry(t) is not None for t in tensors)
+
+    def pack(self, t: torch.Tensor):
+        entry = self._entry(t)
+        if entry is None:
+            return t
+        _, source, placements = entry
+        return _Note(source, placements, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+
+    @staticmethod
+    def unpack(saved):
+        if not isinstance(saved, _Note):
+            return saved
+        with torch.no_grad():
+            full = saved.source.redistribute(saved.source.device_mesh, saved.placements).to_local()
+            if hasattr(full, "wait"):
+                full = full.wait()
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+@dataclass(frozen=True)
+class _Note:
+    source: DTensor
+    placements: tuple
+    size: torch.Size
+    stride: tuple
+    offset: int
+    requires_grad: bool
+
+
+_regather = _Regather()
 
 
 class _ToPartial(torch.autograd.Function):
@@ -167,8 +242,12 @@ def op(node: str, fn, spec: str, *args, **kwargs):
     mesh = _mesh()
     out_spec = _spec(spec, mesh.ndim)
     largs, lkwargs = _unwrap(args, kwargs, out_spec)
+    hooks = contextlib.nullcontext()
+    if _regather.involved((*largs, *lkwargs.values())):
+        hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
     try:
-        out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, out_spec, largs, lkwargs, args)
+        with hooks:
+            out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, out_spec, largs, lkwargs, args)
     except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
         placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
         raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
@@ -198,8 +277,15 @@ def checkpoint(layer, *args):
     mesh = _mesh()
 
     def run(*inputs):
-        with use_mesh(mesh):  # the recomputation runs in backward, outside the forward's context
-            return layer(*inputs)
+        # the recomputation runs in backward, outside the forward's context;
+        # a recomputed layer gathers its parameters again anyway (no _Regather)
+        outer = getattr(_state, "in_checkpoint", False)
+        _state.in_checkpoint = True
+        try:
+            with use_mesh(mesh):
+                return layer(*inputs)
+        finally:
+            _state.in_checkpoint = outer
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 

@@ -111,6 +111,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
     report["plan"] = {"recompute": plan.recompute.get("layers", []), "strategies": {n.name: n.strategy for n in plan.nodes},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()},
+                      "zero_stages": {k: v.get("zero_stage") for k, v in plan.parameters.items()},
                       "collectives": len(plan.collectives)}
     return report
 

@@ -194,7 +194,7 @@ _JS = r"""
 (function () {
 const DATA = JSON.parse(document.getElementById("autopar-data").textContent);
 const SVGNS = "http://www.w3.org/2000/svg";
-const PHASES = ["forward", "backward", "optimizer"];
+const PHASES = ["forward", "backward", "recompute", "optimizer"];
 const KIND_COLORS = {all_reduce: "#4e79a7", all_gather: "#59a14f", reduce_scatter: "#f28e2b",
                      all_to_all: "#b07aa1", send_recv: "#76b7b2"};
 const MEM_KINDS = [["parameters", "#4e79a7"], ["gradients", "#f28e2b"], ["optimizer", "#e15759"],

@@ -6,6 +6,7 @@ Each rank runs 2 AdamW steps of the plan's program under autopar.memtrack
 (live tensor bytes: parameters, gradients, optimizer state, activations,
 collective outputs) and the peak is compared with plan.predicted.
 """
+import collections
 import os
 import sys
 
@@ -21,17 +22,22 @@ from autopar.codegen import build_program, load_program, program_source  # noqa:
 from autopar.memtrack import LiveBytes  # noqa: E402
 from autopar.runtime import ParallelModule, init_distributed, load_factory  # noqa: E402
 
-CASES = [  # (factory, mesh, cluster)
-    ("examples/gpt.py:demo", "2x2", "dgx-a100"),
-    ("examples/gpt.py:demo", "4", "tests/fixtures/fastnet.json"),
-    ("examples/gpt.py:small", "2x2", "tests/fixtures/fastnet.json"),
-    ("examples/mlp.py:wide", "4", "dgx-a100"),
+CASES = [  # (factory, mesh, cluster, per-device budget in MiB or None)
+    ("examples/gpt.py:demo", "2x2", "dgx-a100", None),
+    ("examples/gpt.py:demo", "4", "tests/fixtures/fastnet.json", None),
+    ("examples/gpt.py:small", "2x2", "tests/fixtures/fastnet.json", None),
+    ("examples/mlp.py:wide", "4", "dgx-a100", None),
+    # tight budgets without recomputation: parameters sharded at ZeRO stages 2 and 3
+    ("examples/gpt.py:small", "2x2", "dgx-a100", 1.5),
+    ("examples/gpt.py:small", "4", "dgx-a100", 1.6),
 ]
 
 
-def measure(source, mesh, cluster):
+def measure(source, mesh, cluster, budget_mib):
     model, inputs, loss_fn = load_factory(source)
-    plan = autopar.compile(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn)
+    options = {"memory": budget_mib * 2**20, "recompute": "none"} if budget_mib else {}
+    plan = autopar.compile(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, **options)
+    stages = collections.Counter(p.get("zero_stage") for p in plan.parameters.values())
     device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
     program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
@@ -45,18 +51,20 @@ def measure(source, mesh, cluster):
             opt.zero_grad()
     peak = torch.tensor([float(tracker.peak)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return plan.predicted["peak_memory_bytes"], peak.item()
+    zero = " ".join(f"{k}:{v}" for k, v in sorted(stages.items(), key=lambda kv: str(kv[0])))
+    return zero, plan.predicted["peak_memory_bytes"], peak.item()
 
 
 def main():
-    rows = [(s, m, c, *measure(s, m, c)) for s, m, c in CASES]
+    rows = [(s, m, c, b, *measure(s, m, c, b)) for s, m, c, b in CASES]
     if dist.get_rank() == 0:
-        print(f"{'model':24} {'mesh':5} {'cluster':12} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+        print(f"{'model':22} {'mesh':4} {'cluster':12} {'budget':>6} {'ZeRO stage:params':22} "
+              f"{'predicted MiB':>13} {'measured MiB':>12} {'error':>7}")
         errors = []
-        for s, m, c, pred, meas in rows:
+        for s, m, c, b, zero, pred, meas in rows:
             errors.append(abs(pred / meas - 1))
-            print(f"{s:24} {m:5} {os.path.basename(c):12} {pred / 2**20:14.2f} {meas / 2**20:13.2f} "
-                  f"{pred / meas - 1:+7.1%}")
+            print(f"{s:22} {m:4} {os.path.basename(c):12} {b or '-':>6} {zero:22} {pred / 2**20:13.2f} "
+                  f"{meas / 2**20:12.2f} {pred / meas - 1:+7.1%}")
         print(f"mean absolute error {sum(errors) / len(errors):.1%}")
     dist.destroy_process_group()
 

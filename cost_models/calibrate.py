@@ -155,6 +155,7 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
         },
     )
     return Cluster(name, device, n, link, link, nodes=1, backend=raw["backend"], source=source,
+                   overlap_grad_sync=raw["backend"] == "nccl",
                    calibration=calibration)
 
 

@@ -140,6 +140,12 @@ class Cluster:
     """Inter-node fabric oversubscription (1 = full bisection bandwidth)."""
     backend: Literal["nccl", "gloo"] = "nccl"
     """torch.distributed backend the programs use on this cluster."""
+    overlap_grad_sync: bool = True
+    """Whether parameter-gradient synchronisation (the data-parallel all-reduce
+    or ZeRO reduce-scatter) runs under the rest of the backward compute, in
+    buckets, as PyTorch DDP and FSDP do on their own CUDA streams (Li et al.,
+    "PyTorch Distributed", VLDB 2020, sec. 3.2.3). False for gloo on CPU
+    ranks: the collectives run on the same cores as the compute."""
     source: str = ""
     """Where the numbers come from."""
     calibration: dict | None = None
@@ -155,6 +161,8 @@ class Cluster:
         _positive(where, "oversubscription", self.oversubscription)
         if self.oversubscription < 1:
             raise ClusterError(f"{where}: oversubscription must be >= 1, got {self.oversubscription!r}")
+        if not isinstance(self.overlap_grad_sync, bool):
+            raise ClusterError(f"{where}: overlap_grad_sync must be true or false, got {self.overlap_grad_sync!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ClusterError(f"{where}: backend must be 'nccl' or 'gloo', got {self.backend!r}")
 

@@ -10,11 +10,11 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import axis_links
+from autopar.cost_models.collectives import Collective, axis_links
 from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, as_sum, grad_spec, producer_grad_spec, transitions
@@ -164,6 +164,13 @@ def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext) -> float:
     return param_bytes_local * 4 / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
 
 
+def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
+    """``optimizer_step_bytes`` of one parameter's local shard."""
+    if node.kind is not NodeKind.PARAM:
+        return 0.0
+    return optimizer_step_bytes(memory_breakdown(node, s, ctx, True)["parameters"], ctx)
+
+
 def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
     """The optimizer's update of one parameter's local shard: a memory-bound
     pass reading weights, gradients and states and writing weights and states
@@ -192,12 +199,39 @@ def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostC
     return fwd, bwd
 
 
+def replays(regather: bool, recomputed: bool, saved: bool) -> bool:
+    """Whether an edge's forward collectives run again in backward: in a
+    recomputed consumer, or for a regathered (ZeRO-3) parameter whose consumer
+    would otherwise keep the gathered copy."""
+    return recomputed or (regather and saved)
+
+
 def edge_memory(src_spec: tuple, dst_spec: tuple, meta, ctx: CostContext, saved: bool) -> float:
     """Bytes of the resharded copy a consumer keeps for backward (0 when the
     consumer reads the producer's own tensor, or keeps nothing)."""
     if not saved or as_sum(src_spec) == as_sum(dst_spec):
         return 0.0
     return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape)
+
+
+def gather_transient(fwd: list[Move], dst_spec: tuple, meta, ctx: CostContext, regather: bool,
+                     backward: bool) -> float:
+    """Bytes alive for a moment in backward on an edge that gathers a sharded
+    parameter: its gradient at the gathered size until the reduce-scatter
+    shards it, plus the full copy gathered again for a regathered (ZeRO-3)
+    parameter. One such edge is in flight at a time, so the plan's peak adds
+    the largest, on top of the activations."""
+    if not backward or not any(m.kind is Collective.ALL_GATHER for m in fwd):
+        return 0.0
+    return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape) * (2 if regather else 1)
+
+
+def param_transient(node: Node, s: Strategy, ctx: CostContext) -> float:
+    """The most ``gather_transient`` can be for a parameter placed by ``s``: a
+    full gradient on the axes it is sharded over (and a regathered copy)."""
+    if node.kind is not NodeKind.PARAM or not any(isinstance(p, Shard) for p in s.output):
+        return 0.0
+    return ctx.tensor_bytes(node.out) * (2 if s.regather else 1)
 
 
 def seconds(moves: list[Move]) -> float:

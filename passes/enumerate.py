@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from autopar.capture import Graph, Node, NodeKind
 from autopar.passes.rules import get_rule
+from torch.distributed.tensor import Shard
+
 from autopar.passes.strategy import R, Row, S, Strategy, expand_to_mesh
 
 log = logging.getLogger("autopar")
@@ -38,8 +40,14 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple) -> tuple[dict, list[Fa
 
 def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]:
     k = node.kind
-    if k in (NodeKind.PARAM, NodeKind.INPUT):
+    if k is NodeKind.INPUT:
         return expand_to_mesh(tensor_rows(node), mesh_shape, [], [node.out.shape])
+    if k is NodeKind.PARAM:
+        # a sharded parameter that a consumer gathers keeps the full copy until
+        # backward (ZeRO-2) or gathers it again there (regather: ZeRO-3)
+        specs = expand_to_mesh(tensor_rows(node), mesh_shape, [], [node.out.shape])
+        return specs + [Strategy(s.inputs, s.output, regather=True) for s in specs
+                        if any(isinstance(p, Shard) and mesh_shape[a] > 1 for a, p in enumerate(s.output))]
     if k in (NodeKind.BUFFER, NodeKind.CONSTANT):
         return [Strategy((), (R,) * len(mesh_shape))]
     if k is NodeKind.OUTPUT:

@@ -84,9 +84,14 @@ class Strategy:
 
     inputs: tuple  # tuple[Spec, ...], one per tensor input
     output: Spec
+    regather: bool = False
+    """Parameters only (ZeRO stage 3): full copies gathered from this sharded
+    parameter are not kept for backward but gathered again there. Without it a
+    gathered copy stays alive until backward (ZeRO stage 2)."""
 
     def __str__(self) -> str:
-        return f"({', '.join(fmt_spec(s) for s in self.inputs)}) -> {fmt_spec(self.output)}"
+        text = f"({', '.join(fmt_spec(s) for s in self.inputs)}) -> {fmt_spec(self.output)}"
+        return text + " regather" if self.regather else text
 
     def splits(self, axis: int) -> bool:
         """Whether the work of this op is divided over mesh axis ``axis``."""

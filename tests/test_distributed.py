@@ -48,6 +48,19 @@ def test_recomputed_layers_with_sharded_parameters(tmp_path):
     assert_agrees(reports)
 
 
+def test_zero_stage_3_gathers_parameters_again_in_backward(tmp_path):
+    """A budget that needs ZeRO-3 without recomputation: parameters stored
+    sharded, gathered for forward, freed, gathered again in backward (the
+    regathered ones), their gradients reduce-scattered; the same training as
+    one device."""
+    reports = verify("examples/gpt.py:small", "4", 4, tmp_path, cluster="dgx-a100", random_plans=0,
+                     extra=["--recompute", "none", "--memory", str(1.6 * 2**20)])
+    stages = list(reports[0]["plan"]["zero_stages"].values())
+    assert 3 in stages and 2 in stages, stages
+    assert reports[0]["plan"]["recompute"] == []
+    assert_agrees(reports)
+
+
 def test_two_nodes_with_c10d_rendezvous(tmp_path):
     port = free_port()
     out = tmp_path / "report.json"

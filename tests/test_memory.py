@@ -57,26 +57,62 @@ def sweep_model():
     return model, (idx, idx), lm_loss
 
 
-def test_budget_sweep_moves_from_data_parallel_to_sharding_and_recomputation():
-    """Lower budgets never give a faster plan (the ILP's objective); they shard
-    parameters, then recompute, then no plan fits and the error says how much
-    is needed."""
-    model, inputs, loss = sweep_model()
-    rows = []
-    for budget in (None, 400e6, 150e6, 100e6):
-        plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, memory=budget,
-                               precision="bf16")
-        sharded = sum(p["placements"] != ["R"] for p in plan.parameters.values())
-        rows.append((plan.solver["objective"], plan.predicted["peak_memory_bytes"], sharded,
-                     plan.recompute["mode"]))
+def parameter_heavy():
+    """GPT whose parameter state outweighs its activations (small batch, wide
+    layers), on four single-GPU A100 nodes: data parallelism crosses nodes, so
+    a ZeRO all-gather costs more than the optimizer step it saves."""
+    from gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(vocab=1024, seq=128, hidden=512, heads=8, layers=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, 1024, (8, 128))
+    cluster = {**get_cluster("dgx-a100").to_json(), "name": "a100-one-per-node", "devices_per_node": 1}
+    return model, (idx, idx), lm_loss, cluster
+
+
+# budget (MB), ZeRO stages that must appear, stages that must not, recomputation
+SWEEP = [
+    (None, {0}, {2, 3}, "none"),   # plain data parallelism
+    (140, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
+    (90, {3}, set(), "full"),      # ZeRO-3 and full recomputation
+]
+
+
+def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation():
+    """Lower budgets never give a faster plan (the ILP's objective); they move
+    parameters from replicated to ZeRO-2 to ZeRO-3 and turn on
+    recomputation; then no plan fits and the error says exactly how much the
+    smallest plan needs (a budget just above it compiles)."""
+    model, inputs, loss, cluster = parameter_heavy()
+    times = []
+    for budget, present, absent, recompute in SWEEP:
+        plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16",
+                               memory=budget and budget * 1e6)
+        stages = {p["zero_stage"] for p in plan.parameters.values()}
+        assert present <= stages and not (absent & stages), (budget, stages)
+        assert plan.recompute["mode"] == recompute, budget
         if budget:
-            assert plan.predicted["peak_memory_bytes"] <= budget
-    times = [r[0] for r in rows]
-    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:])), times
-    assert rows[0][3] == "none" and rows[-1][3] == "full"
-    assert rows[-1][2] > rows[0][2]  # more parameters sharded at the low end
-    with pytest.raises(autopar.InfeasibleError, match=r"smallest plan needs at least 0\.\d+ GiB"):
-        autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, memory=60e6, precision="bf16")
+            assert plan.predicted["peak_memory_bytes"] <= budget * 1e6
+        times.append(plan.solver["objective"])
+    assert times == sorted(times), times
+    with pytest.raises(autopar.InfeasibleError, match=r"smallest plan needs at least \d+\.\d+ MiB") as info:
+        autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=50e6)
+    need = info.value.needed_bytes
+    assert 50e6 < need < 90e6
+    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16",
+                           memory=need * 1.001)
+    assert plan.predicted["peak_memory_bytes"] <= need * 1.001
+
+
+def test_zero_3_trades_communication_for_memory():
+    """The same parameter sharded: regathering in backward (ZeRO-3) holds no
+    full copy until backward and pays one more all-gather (phase recompute)."""
+    model, inputs, loss, cluster = parameter_heavy()
+    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=90e6)
+    regathered = {fqn for fqn, p in plan.parameters.items() if p["zero_stage"] == 3}
+    again = {c["tensor"] for c in plan.collectives if c["phase"] == "recompute" and c["kind"] == "all_gather"}
+    assert regathered and regathered <= again
+    assert all(plan.parameters[f]["regather"] for f in regathered)
 
 
 def test_recompute_trades_time_for_memory():
