@@ -358,8 +358,45 @@ def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
+def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
+    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd (an
+    all-reduce forward; the gradient, a partial sum on each rank, is
+    all-reduced back)."""
+    placements = [Partial() if a in axes else Replicate() for a in range(mesh.ndim)]
+    dt = DTensor.from_local(t, mesh, placements, run_check=False)
+    return dt.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=placements)
+
+
+def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
+    """Training-mode batch norm with the batch (or a spatial dim) split:
+    synchronised statistics (as torch.nn.SyncBatchNorm): the per-channel mean
+    and then the variance of the centred input are all-reduced over the split
+    axes (two all-reduces of C values, inside the op), so every rank normalises
+    with the statistics of the global batch."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+    a = dict(zip(names, args))
+    a.update({k: v for k, v in kwargs.items() if k in names})
+    x = a["input"]
+    split = sorted({axis for axis, p in enumerate(dargs[0].placements) if isinstance(p, Shard) and p.dim != 1})
+    if not a.get("training") or not split or a.get("running_mean") is not None:
+        return fn(*args, **kwargs)
+    dims = [d for d in range(x.ndim) if d != 1]
+    count = math.prod(x.shape[d] for d in dims) * math.prod(mesh.size(axis) for axis in split)
+    shape = [1, x.shape[1]] + [1] * (x.ndim - 2)
+    mean = _reduce_over(x.sum(dims), mesh, split) / count
+    centred = x - mean.view(shape)
+    var = _reduce_over((centred * centred).sum(dims), mesh, split) / count
+    out = centred * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
+    if a.get("weight") is not None:
+        out = out * a["weight"].view(shape)
+    if a.get("bias") is not None:
+        out = out + a["bias"].view(shape)
+    return out
+
+
 LOCAL_IMPLS = {
     torch.ops.aten.embedding.default: _embedding,
     torch.ops.aten.cross_entropy_loss.default: _mean_loss,
     torch.ops.aten.nll_loss.default: _mean_loss,
+    torch.ops.aten.batch_norm.default: _batch_norm,
 }

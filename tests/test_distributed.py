@@ -172,3 +172,7 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
     assert_agrees(reports)
     for r in reports:  # every plan splits work over the devices
         assert any("S(" in s for s in r["plan"]["strategies"].values()), r["label"]
+    for r in reports:  # ResNet's training-mode batch norm on batch shards: synchronised statistics
+        if "resnet" in r["source"]:
+            assert any(k.startswith("batch_norm") and s.startswith("(S(0)")
+                       for k, s in r["plan"]["strategies"].items()), r["label"]

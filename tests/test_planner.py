@@ -70,6 +70,21 @@ def test_gpt_block_small_batch_large_hidden_is_megatron(megatron_plan, layer):
     assert len(in_block) == 2
 
 
+def test_resnet_large_batch_is_data_parallel_with_synchronised_batch_norm():
+    """Training-mode batch norm may split the batch: its statistics are then
+    all-reduced inside the op (SyncBatchNorm), which makes plain data
+    parallelism available to CNNs."""
+    import resnet
+    cfg = resnet.ResNetConfig(image=32, widths=(64, 128, 256))
+    with torch.device("meta"):
+        model = resnet.ResNet(cfg)
+        images, labels = torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))
+    plan = autopar.compile(model, (images, labels), mesh=4, cluster="dgx-a100",
+                           loss_fn=torch.nn.functional.cross_entropy)
+    norms = [n for n in plan.nodes if n.op == "batch_norm"]
+    assert norms and all(n.strategy == "(S(0), R, R) -> S(0)" for n in norms)
+
+
 @pytest.mark.parametrize("opt_level", [1, 2])
 def test_plans_are_byte_identical(opt_level, tmp_path):
     from gpt import small

@@ -26,19 +26,18 @@ def batch_norm_rule(info: OpInfo):
     """batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn).
 
     Channel split (dim 1) is exact in both modes: statistics are per channel.
-    In training the statistics are over the batch and spatial dims, so those
-    dims are not split here (a batch split needs the statistics all-reduced
-    across ranks, i.e. synchronised batch norm, which the op on local shards
-    does not do). In eval mode the op is a per-channel affine map and any
-    dim may be split."""
+    In eval mode the op is a per-channel affine map and any dim may be split.
+    In training the statistics are over the batch and spatial dims: a split
+    of those runs as synchronised batch norm (autopar/spmd.py, _batch_norm:
+    the per-channel mean and variance all-reduced over the split axes inside
+    the op). Training with running statistics is refused at capture (the op
+    updates buffers in place), so here they are absent."""
     x = info.inputs[0]
     n_aux = len(info.inputs) - 1  # weight, bias, running_mean, running_var that are tensors, all (C,)
-    training = bool(info.arg(5, "training"))
     rows = []
     if x.ndim >= 2 and x.shape[1] > 1:
         rows.append(Row(S(1), (S(1),) + (S(0),) * n_aux))
-    if not training:
-        rows += [Row(S(d), (S(d),) + (R,) * n_aux) for d in range(x.ndim) if d != 1 and x.shape[d] > 1]
+    rows += [Row(S(d), (S(d),) + (R,) * n_aux) for d in range(x.ndim) if d != 1 and x.shape[d] > 1]
     rows.append(Row(R, (R,) * len(info.inputs)))
     return rows
 
