@@ -145,7 +145,9 @@ def _planned_strategy(plan_node, strategies: list, ndim: int) -> Strategy:
 def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = None) -> Explanation:
     """Price every candidate strategy of ``target`` with its neighbours as planned."""
     from autopar.cost_models.cluster import Cluster
-    from autopar.cost_models.graph_costs import CostContext, edge_moves, needs_grad, node_compute, node_memory
+    from autopar.cost_models.graph_costs import (
+        CostContext, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
+    )
     from autopar.passes.enumerate import enumerate_strategies
 
     graph = graph if graph is not None else capture_plan_model(plan, source)
@@ -177,6 +179,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     candidates = []
     for s in strategies[name]:
         f, b = node_compute(node, s, ctx, name in grad)
+        f += optimizer_time(node, s, ctx)  # parameters: the update of this shard
         transfers = []
         for idx, src in enumerate(node.inputs):
             fwd, bwd = edge_moves(planned_of(src).output, s, idx, graph.nodes[src].outputs[0], ctx,
@@ -185,6 +188,9 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         for c, idx in consumers:
             fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)
+            if replays(s.regather, False, c in grad):  # ZeRO-3: gathered again in backward
+                transfers += [Transfer(c, "out", name, "recompute", m.kind.value, mesh.names[m.axis], m.nbytes,
+                                       m.seconds) for m in fwd]
         candidates.append(Candidate(
             str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in"),
             sum(t.seconds for t in transfers if t.direction == "out"),
@@ -218,7 +224,8 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
         out.append("  consumed by: " + ", ".join(f"{n} (takes {s})" for n, s in shown) + more)
     n = len(e.candidates)
     out.append(f"{n} candidate strateg{'y' if n == 1 else 'ies'}, each priced with its neighbours as planned "
-               "(compute fwd+bwd, resharding fwd+bwd on its edges):")
+               "(compute fwd+bwd and, for a parameter, its optimizer update; resharding fwd+bwd on its edges, "
+               "gradient sync at full time, though the plan may hide it under backward compute):")
     rows = []
     shown = e.candidates[:limit]
     if not any(c.chosen for c in shown):

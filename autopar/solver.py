@@ -223,13 +223,29 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     with _quiet_stdout():
         status = model.Solve(params)
-    if overlap and status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    ok = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+             pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
+
+    def snapshot(status_name: str, extra_us: float = 0.0) -> tuple:
+        chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
+        used = sum(c * v.solution_value() for v, c in mem.items() if v is biggest or v.solution_value() > 0.5)
+        return chosen, used, (obj.Value() + extra_us) / US, obj.BestBound() / US, status_name
+
+    result = snapshot(names[status]) if status in ok else None
+    if overlap and status in ok:
         # Solved with gradient sync free. If the plan's sync outlasts its
         # backward compute, price the exposed part, max(0, sync - backward),
         # with a variable above both, and solve again. (The first optimum is
         # exact when its sync hides: no plan costs less with the exposed part.)
+        # If the second solve finds nothing in the time left, the first plan
+        # stands, priced with its exposed sync (status FEASIBLE).
         value = lambda table: sum(c * v.solution_value() for v, c in table.items())  # noqa: E731
-        if value(sync) > value(backward_us) * (1 + 1e-9):
+        short = value(sync) - value(backward_us)
+        left = time_limit_s - (time.perf_counter() - t0)
+        if short > value(backward_us) * 1e-9:
+            result = snapshot("FEASIBLE", short)
+        if short > value(backward_us) * 1e-9 and left > 1.0:
             exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
             obj.SetCoefficient(exposed, 1.0)
             row = model.Constraint(0.0, model.infinity())  # exposed - sync + backward >= 0
@@ -238,12 +254,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 row.SetCoefficient(v, c)
             for v, c in sync.items():
                 row.SetCoefficient(v, row.GetCoefficient(v) - c)
+            model.SetTimeLimit(int(left * 1000))
             with _quiet_stdout():
-                status = model.Solve(params)
+                again = model.Solve(params)
+            if again in ok:
+                result = snapshot(names[again])
     wall = time.perf_counter() - t0
-    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
-             pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if result is None:
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             # the same model, minimising memory without the budget: the least any plan needs
             budget_row.SetUb(model.infinity())
@@ -255,12 +272,9 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             need = obj.Value() * 2**20 if least in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE) else None
             raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set(), need)
         raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
-    chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
+    chosen, used, value, bound, status_name = result
     choice = {name: chosen[rep[name]] for name in graph.nodes}
-    used = sum(c * v.solution_value() for v, c in mem.items() if v is biggest or v.solution_value() > 0.5)
-    bound = obj.BestBound() / US
-    value = obj.Value() / US
-    return Solution(choice, names[status], value, wall, model.NumVariables(), model.NumConstraints(), float(used),
+    return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
 
