@@ -348,7 +348,7 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision
     # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
     ctx = CostContext.make(submesh.shape, dataclasses.replace(cluster, overlap_grad_sync=False), optimizer, precision)
     solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
-                     classes=layer_classes(graph))
+                     classes=layer_classes(graph), optimizer_step=False)
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
     return chosen, strategies, solution, ctx, fallbacks
 

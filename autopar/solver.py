@@ -63,11 +63,14 @@ class Solution:
 
 def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: float | None = None,
           time_limit_s: float = 60.0, pinned: dict | None = None, backend: str = "HIGHS",
-          relative_gap: float = 1e-4, classes: dict | None = None, recomputed: set | None = None) -> Solution:
+          relative_gap: float = 1e-4, classes: dict | None = None, recomputed: set | None = None,
+          optimizer_step: bool = True) -> Solution:
     """``classes`` maps a node to the representative whose variables it shares
     (passes/cluster.py); its costs and memory add onto the representative's.
     Nodes in ``recomputed`` keep no activations for backward and run their
-    forward twice; one such layer's activations are live during its backward."""
+    forward twice; one such layer's activations are live during its backward.
+    ``optimizer_step`` False leaves the optimizer update out of the objective
+    (a pipeline stage's graph is one microbatch; the update runs once a step)."""
     t0 = time.perf_counter()
     grad = needs_grad(graph)
     if backend not in BACKENDS:
@@ -102,7 +105,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                     v.SetUb(0)
         node, backward = graph.nodes[name], name in grad
         priced[name] = [(node_compute(node, st, ctx, backward), node_memory(node, st, ctx, backward)
-                         + step_temporaries(node, st, ctx), optimizer_time(node, st, ctx)) for st in strats]
+                         + step_temporaries(node, st, ctx), optimizer_time(node, st, ctx) if optimizer_step else 0.0)
+                        for st in strats]
     # Gradient synchronisation hides under backward compute where the cluster
     # overlaps them (Cluster.overlap_grad_sync): the objective then pays only
     # the exposed part, max(0, sync - backward compute) (see after the first
@@ -123,13 +127,14 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     # The largest gathered-parameter transient (graph_costs.gather_transient)
     # counts once: T >= its bytes for every sharded parameter choice (an upper
-    # bound: a tensor-parallel consumer of the shard gathers nothing).
-    biggest = model.NumVar(0.0, model.infinity(), "transient")
-    mem[biggest] = 1.0
-    for name in count:
+    # bound: a tensor-parallel consumer of the shard gathers nothing). Only
+    # under a budget: without one, memory is reported, not optimised.
+    biggest = model.NumVar(0.0, model.infinity(), "transient") if memory_budget is not None else None
+    for name in count if biggest is not None else ():
         node = graph.nodes[name]
         if node.kind is not NodeKind.PARAM or name not in grad:
             continue
+        mem[biggest] = 1.0
         for i, st in enumerate(strategies[name]):
             nbytes = param_transient(node, st, ctx)
             if nbytes:
