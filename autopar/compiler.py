@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import logging
 import sys
 import time
@@ -17,8 +18,9 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
-    gather_transient, optimizer_time, replays,
+    gather_transient, optimizer_time, replays, splits,
 )
+from autopar.cost_models.resharding import grad_spec
 from autopar.cost_models.collectives import Collective
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -159,10 +161,16 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
             errors.append(e)
             candidates.append({"recompute": _label(chosen, layers), "status": "INFEASIBLE"})
             continue
+        never_binds = sol.extra.pop("memory_never_binds", False)
         candidates.append({"recompute": _label(chosen, layers), "status": sol.status,
                            "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})
         if best is None or sol.objective_s < best[0].objective_s:
             best = (sol, chosen)
+        if not chosen and never_binds and mode == "auto":
+            # no plan can exceed the budget, so recomputation only adds time
+            candidates += [{"recompute": _label(c, layers), "status": "SKIPPED (memory never binds)"}
+                           for c in options_[1:]]
+            break
     if best is None:
         raise min(errors, key=lambda e: e.needed_bytes if e.needed_bytes is not None else float("inf"))
     sol, chosen = best
@@ -219,6 +227,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     live_again = _first_instance(set(recomputed), graph)
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
+    reshards = set()  # (producer, placement, gradient placement) already paid for
     compute = comm = backward_s = sync_s = 0.0
     memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
               "buffers": 0.0}
@@ -242,7 +251,14 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         for idx, src in enumerate(node.inputs):
             src_spec, regather = chosen[src].output, chosen[src].regather
             meta = graph.nodes[src].outputs[0]
-            fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, node.name in grad and src in grad)
+            backward = node.name in grad and src in grad
+            fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
+            replayed = fwd
+            # consumers that want the same placement share one reshard (solver.py)
+            reshard = (src, s.inputs[idx], grad_spec(s.inputs[idx], splits(s, len(ms))) if backward else None)
+            if reshard in reshards and node.target is not operator.getitem:
+                fwd, bwd = [], []
+            reshards.add(reshard)
             kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
             memory["activations"] += held
@@ -252,7 +268,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                     fwd, s.inputs[idx], meta, ctx, regather, node.name in grad and src in grad))
             if graph.nodes[src].kind is NodeKind.PARAM and any(m.kind is Collective.ALL_GATHER for m in fwd):
                 gathered.add(src)
-            again = fwd if replays(regather, node.name in recomputed, node.name in grad) else []
+            again = replayed if replays(regather, node.name in recomputed, node.name in grad) else []
             for phase, moves in (("forward", fwd), ("backward", bwd), ("recompute", again)):
                 for m in moves:
                     comm += m.seconds

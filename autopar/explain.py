@@ -146,7 +146,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     """Price every candidate strategy of ``target`` with its neighbours as planned."""
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
-        CostContext, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
+        CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
     )
     from autopar.passes.enumerate import enumerate_strategies
 
@@ -181,10 +181,14 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         f, b = node_compute(node, s, ctx, name in grad)
         f += optimizer_time(node, s, ctx)  # parameters: the update of this shard
         transfers = []
+        held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         for idx, src in enumerate(node.inputs):
             fwd, bwd = edge_moves(planned_of(src).output, s, idx, graph.nodes[src].outputs[0], ctx,
                                   name in grad and src in grad)
             transfers += _transfers(src, "in", name, fwd, bwd, mesh.names)
+            if not planned_of(src).regather:
+                held += edge_memory(planned_of(src).output, s.inputs[idx], graph.nodes[src].outputs[0], ctx,
+                                    name in grad)
         for c, idx in consumers:
             fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)
@@ -194,7 +198,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         candidates.append(Candidate(
             str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in"),
             sum(t.seconds for t in transfers if t.direction == "out"),
-            node_memory(node, s, ctx, name in grad), str(s) == chosen_text, transfers))
+            node_memory(node, s, ctx, name in grad) + held, str(s) == chosen_text, transfers))
     if not any(c.chosen for c in candidates):
         raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
                         "the model or autopar's rules changed since the plan was compiled; recompile it")

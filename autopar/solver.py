@@ -15,6 +15,7 @@ constraints force them to 0/1. The objective is in microseconds.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sys
 import time
@@ -147,14 +148,22 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # `replayed` the recomputed consumers (their forward collectives run again)
     # and `plain` the others.
     edges, kept, replayed = Counter(), Counter(), Counter()
+    producers: dict = {}  # edge key -> the producer instances behind it
     for node in graph.nodes.values():
         for idx, src in enumerate(node.inputs):
             key = (rep[src], rep[node.name], idx)
             edges[key] += 1
+            producers.setdefault(key, set()).add(src)
             if node.name not in recomputed or node.name in live_again:
                 kept[key] += 1
             if node.name in recomputed:
                 replayed[key] += 1
+    # A reshard is shared by every consumer of one producer that wants the same
+    # placement (codegen emits it once; the consumers' gradients meet there and
+    # go back in one collective): its cost is paid once per producer instance,
+    # through a variable above each edge's choice of it.
+    shared: dict = {}  # (producer, its choice p, key) -> [per-instance seconds, producer instances, [selections]]
+    edge_vars: list = []  # the y variables of each edge
     for (src, dst, idx), times in edges.items():
         prod, cons = strategies[src], strategies[dst]
         meta = graph.nodes[src].outputs[0]
@@ -166,41 +175,50 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         for j, s in enumerate(cons):
             key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
             in_groups.setdefault(key, []).append((j, s))
-        cost, held, synced = {}, {}, {}
+        unit, replay, held, synced = {}, {}, {}, {}
         saved = dst in grad and kept[src, dst, idx] > 0
-        hides = overlap and graph.nodes[src].kind is NodeKind.PARAM
+        is_param = graph.nodes[src].kind is NodeKind.PARAM
+        hides = overlap and is_param
         plain = times - replayed[src, dst, idx]
         for p in out_groups:
             spec, regather = p
             for key, members in in_groups.items():
                 f, b = edge_moves(spec, members[0][1], idx, meta, ctx, backward)
                 again = replayed[src, dst, idx] + (plain if replays(regather, False, dst in grad) else 0)
-                cost[p, key] = ((seconds(f) + (0.0 if hides else seconds(b))) * times + seconds(f) * again) * US
+                unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
+                replay[p, key] = seconds(f) * again * US
                 synced[p, key] = seconds(b) * times * US if hides else 0.0
                 held[p, key] = 0.0 if regather else \
                     edge_memory(spec, key[0], meta, ctx, saved) * kept[src, dst, idx]
+
+        def charge(terms, p, key):
+            """``terms``: the variables whose sum says this edge uses (p, key)."""
+            for v in terms:
+                add(objective, v, replay[p, key])
+                add(mem, v, held[p, key])
+                add(sync, v, synced[p, key])
+            if unit[p, key]:
+                # items of a tuple (getitem) are different tensors: never one reshard
+                item = graph.nodes[dst].target is operator.getitem
+                group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key), [unit[p, key], set(), []])
+                group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]
+                group[2].append(terms)
+
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
             for key, members in in_groups.items():
-                for j, _ in members:
-                    add(objective, x[dst][j], cost[p0, key])
-                    add(mem, x[dst][j], held[p0, key])
-                    add(sync, x[dst][j], synced[p0, key])
+                charge([x[dst][j] for j, _ in members], p0, key)
             continue
         if len(in_groups) == 1:  # the consumer's input is fixed
             (k0,) = in_groups
             for p, members in out_groups.items():
-                for i in members:
-                    add(objective, x[src][i], cost[p, k0])
-                    add(mem, x[src][i], held[p, k0])
-                    add(sync, x[src][i], synced[p, k0])
+                charge([x[src][i] for i in members], p, k0)
             continue
         y = {}
-        for (p, key), c in cost.items():
+        for p, key in unit:
             y[p, key] = model.NumVar(0.0, 1.0, "")
-            add(objective, y[p, key], c)
-            add(mem, y[p, key], held[p, key])
-            add(sync, y[p, key], synced[p, key])
+            charge([y[p, key]], p, key)
+        edge_vars.append(list(y.values()))
         for p, members in out_groups.items():
             row = model.Constraint(0, 0)
             for k in in_groups:
@@ -213,7 +231,27 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
+    for seconds_us, instances, selections in shared.values():
+        if len(selections) == 1:
+            for terms in selections:  # one consumer edge: pay on its choice
+                for v in terms:
+                    add(objective, v, seconds_us * len(instances))
+            continue
+        used = model.NumVar(0.0, 1.0, "")
+        add(objective, used, seconds_us * len(instances))
+        for terms in selections:
+            row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
+            row.SetCoefficient(used, 1.0)
+            for v in terms:
+                row.SetCoefficient(v, -1.0)
 
+    # The most memory any plan could take: each node's and edge's largest
+    # choice. Under the budget, the row never binds (solution.extra).
+    most = sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values()) \
+        + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs)
+    if biggest is not None:
+        most += max((param_transient(graph.nodes[n], st, ctx) for n in count if graph.nodes[n].kind is NodeKind.PARAM
+                     for st in strategies[n]), default=0.0)
     if memory_budget is not None:
         # in MiB so that the row is well scaled next to the objective
         budget_row = model.Constraint(-model.infinity(), memory_budget / 2**20)
@@ -281,6 +319,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     choice = {name: chosen[rep[name]] for name in graph.nodes}
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
+                     "memory_never_binds": memory_budget is None or most <= memory_budget,
                      "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
 
 

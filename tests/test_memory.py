@@ -73,7 +73,7 @@ def parameter_heavy():
 # budget (MB), ZeRO stages that must appear, stages that must not, recomputation
 SWEEP = [
     (None, {0}, {2, 3}, "none"),   # plain data parallelism
-    (140, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
+    (200, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
     (90, {3}, set(), "full"),      # ZeRO-3 and full recomputation
 ]
 
