@@ -256,11 +256,11 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             replayed = fwd
             # consumers that want the same placement share one reshard (solver.py)
             reshard = (src, s.inputs[idx], grad_spec(s.inputs[idx], splits(s, len(ms))) if backward else None)
-            if reshard in reshards and node.target is not operator.getitem:
-                fwd, bwd = [], []
-            reshards.add(reshard)
             kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
+            if reshard in reshards and node.target is not operator.getitem:
+                fwd, bwd, held = [], [], 0.0  # the first consumer's reshard (and its kept copy) serves this one
+            reshards.add(reshard)
             memory["activations"] += held
             nodes[-1].memory_bytes += held
             if graph.nodes[src].kind is NodeKind.PARAM:

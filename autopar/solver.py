@@ -162,7 +162,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # placement (codegen emits it once; the consumers' gradients meet there and
     # go back in one collective): its cost is paid once per producer instance,
     # through a variable above each edge's choice of it.
-    shared: dict = {}  # (producer, its choice p, key) -> [per-instance seconds, producer instances, [selections]]
+    shared: dict = {}  # (producer, choice p, key) -> [seconds per instance, producer instances, [selections], bytes]
     edge_vars: list = []  # the y variables of each edge
     for (src, dst, idx), times in edges.items():
         prod, cons = strategies[src], strategies[dst]
@@ -195,14 +195,15 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             """``terms``: the variables whose sum says this edge uses (p, key)."""
             for v in terms:
                 add(objective, v, replay[p, key])
-                add(mem, v, held[p, key])
                 add(sync, v, synced[p, key])
-            if unit[p, key]:
+            if unit[p, key] or held[p, key]:
                 # items of a tuple (getitem) are different tensors: never one reshard
                 item = graph.nodes[dst].target is operator.getitem
-                group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key), [unit[p, key], set(), []])
+                group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
+                                          [unit[p, key], set(), [], 0.0])
                 group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]
                 group[2].append(terms)
+                group[3] = max(group[3], held[p, key])  # the one resharded copy, kept for backward
 
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
@@ -231,14 +232,16 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
-    for seconds_us, instances, selections in shared.values():
+    for seconds_us, instances, selections, kept_bytes in shared.values():
         if len(selections) == 1:
             for terms in selections:  # one consumer edge: pay on its choice
                 for v in terms:
                     add(objective, v, seconds_us * len(instances))
+                    add(mem, v, kept_bytes)
             continue
         used = model.NumVar(0.0, 1.0, "")
         add(objective, used, seconds_us * len(instances))
+        add(mem, used, kept_bytes)
         for terms in selections:
             row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
             row.SetCoefficient(used, 1.0)
