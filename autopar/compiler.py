@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import logging
+import operator
 import sys
 import time
 import warnings
@@ -18,10 +18,9 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
-    gather_transient, optimizer_time, replays, splits,
+    gather_transient, gathers, optimizer_time, replays, splits,
 )
 from autopar.cost_models.resharding import grad_spec
-from autopar.cost_models.collectives import Collective
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
 from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers, parse_layer
@@ -264,10 +263,10 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             memory["activations"] += held
             nodes[-1].memory_bytes += held
             if graph.nodes[src].kind is NodeKind.PARAM:
-                memory["buffers"] = max(memory["buffers"], gather_transient(
-                    fwd, s.inputs[idx], meta, ctx, regather, node.name in grad and src in grad))
-            if graph.nodes[src].kind is NodeKind.PARAM and any(m.kind is Collective.ALL_GATHER for m in fwd):
-                gathered.add(src)
+                memory["buffers"] = max(memory["buffers"],
+                                        gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))
+                if gathers(fwd):
+                    gathered.add(src)
             again = replayed if replays(regather, node.name in recomputed, node.name in grad) else []
             for phase, moves in (("forward", fwd), ("backward", bwd), ("recompute", again)):
                 for m in moves:

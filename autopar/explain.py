@@ -183,12 +183,11 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         transfers = []
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         for idx, src in enumerate(node.inputs):
-            fwd, bwd = edge_moves(planned_of(src).output, s, idx, graph.nodes[src].outputs[0], ctx,
-                                  name in grad and src in grad)
+            producer, meta = planned_of(src), graph.nodes[src].outputs[0]
+            fwd, bwd = edge_moves(producer.output, s, idx, meta, ctx, name in grad and src in grad)
             transfers += _transfers(src, "in", name, fwd, bwd, mesh.names)
-            if not planned_of(src).regather:
-                held += edge_memory(planned_of(src).output, s.inputs[idx], graph.nodes[src].outputs[0], ctx,
-                                    name in grad)
+            if not producer.regather:
+                held += edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad)
         for c, idx in consumers:
             fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)

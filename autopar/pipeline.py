@@ -45,8 +45,6 @@ The steps, in order:
 """
 from __future__ import annotations
 
-import dataclasses
-
 import copy
 import logging
 import time
@@ -346,7 +344,7 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision
     # stage pricing below and the stage programs do not regather
     strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
     # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
-    ctx = CostContext.make(submesh.shape, dataclasses.replace(cluster, overlap_grad_sync=False), optimizer, precision)
+    ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), optimizer, precision)
     solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
                      classes=layer_classes(graph), optimizer_step=False)
     chosen = {name: strategies[name][i] for name, i in solution.choice.items()}

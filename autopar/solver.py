@@ -131,6 +131,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # bound: a tensor-parallel consumer of the shard gathers nothing). Only
     # under a budget: without one, memory is reported, not optimised.
     biggest = model.NumVar(0.0, model.infinity(), "transient") if memory_budget is not None else None
+    largest_transient = 0.0
     for name in count if biggest is not None else ():
         node = graph.nodes[name]
         if node.kind is not NodeKind.PARAM or name not in grad:
@@ -138,6 +139,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         mem[biggest] = 1.0
         for i, st in enumerate(strategies[name]):
             nbytes = param_transient(node, st, ctx)
+            largest_transient = max(largest_transient, nbytes)
             if nbytes:
                 row = model.Constraint(0.0, model.infinity())
                 row.SetCoefficient(biggest, 1.0 / 2**20)
@@ -251,10 +253,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # The most memory any plan could take: each node's and edge's largest
     # choice. Under the budget, the row never binds (solution.extra).
     most = sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values()) \
-        + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs)
-    if biggest is not None:
-        most += max((param_transient(graph.nodes[n], st, ctx) for n in count if graph.nodes[n].kind is NodeKind.PARAM
-                     for st in strategies[n]), default=0.0)
+        + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs) + largest_transient
     if memory_budget is not None:
         # in MiB so that the row is well scaled next to the objective
         budget_row = model.Constraint(-model.infinity(), memory_budget / 2**20)
@@ -287,11 +286,12 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         # If the second solve finds nothing in the time left, the first plan
         # stands, priced with its exposed sync (status FEASIBLE).
         value = lambda table: sum(c * v.solution_value() for v, c in table.items())  # noqa: E731
-        short = value(sync) - value(backward_us)
+        busy = value(backward_us)
+        short = value(sync) - busy
         left = time_limit_s - (time.perf_counter() - t0)
-        if short > value(backward_us) * 1e-9:
+        if short > busy * 1e-9:
             result = snapshot("FEASIBLE", short)
-        if short > value(backward_us) * 1e-9 and left > 1.0:
+        if short > busy * 1e-9 and left > 1.0:
             exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
             obj.SetCoefficient(exposed, 1.0)
             row = model.Constraint(0.0, model.infinity())  # exposed - sync + backward >= 0
@@ -315,7 +315,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 obj.SetCoefficient(v, c / 2**20)
             with _quiet_stdout():
                 least = model.Solve(params)
-            need = obj.Value() * 2**20 if least in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE) else None
+            need = obj.Value() * 2**20 if least in ok else None
             raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set(), need)
         raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
     chosen, used, value, bound, status_name = result

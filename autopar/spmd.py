@@ -124,10 +124,7 @@ class _Regather:
         self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard DTensor, placements)
 
     def add(self, source: DTensor, gathered: DTensor) -> None:
-        local = gathered._local_tensor
-        if hasattr(local, "wait"):  # an in-flight functional collective
-            local = local.wait()
-            gathered._local_tensor = local
+        local = gathered._local_tensor = _waited(gathered._local_tensor)
         self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
         self.live[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, gathered.placements)
 
@@ -147,16 +144,14 @@ class _Regather:
         if entry is None:
             return t
         _, source, placements = entry
-        return _Note(source, placements, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+        return _Note(source, placements, t.size(), t.stride(), t.storage_offset())
 
     @staticmethod
     def unpack(saved):
         if not isinstance(saved, _Note):
             return saved
         with torch.no_grad():
-            full = saved.source.redistribute(saved.source.device_mesh, saved.placements).to_local()
-            if hasattr(full, "wait"):
-                full = full.wait()
+            full = _waited(saved.source.redistribute(saved.source.device_mesh, saved.placements).to_local())
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
@@ -167,7 +162,11 @@ class _Note:
     size: torch.Size
     stride: tuple
     offset: int
-    requires_grad: bool
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, once an in-flight functional collective producing it has finished."""
+    return t.wait() if hasattr(t, "wait") else t
 
 
 _regather = _Regather()
@@ -314,11 +313,20 @@ def _plain(fn, mesh, out_spec, args, kwargs, dargs):
     return fn(*args, **kwargs)
 
 
+def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
+    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd (an
+    all-reduce forward; the gradient, a partial sum on each rank, is
+    all-reduced back)."""
+    placements = [Partial() if a in axes else Replicate() for a in range(mesh.ndim)]
+    dt = DTensor.from_local(t, mesh, placements, run_check=False)
+    return dt.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=placements)
+
+
 def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
     """cross_entropy / nll_loss with a mean over a batch split: this rank's loss
     sum over the global count of targets that are not ignore_index, so the
     Partial sum over ranks is the single-device mean. The count is all-reduced
-    (a 4-byte all-reduce on the split axes, the one collective inside an op)."""
+    (a 4-byte all-reduce on the split axes, inside the op)."""
     partial = [a for a, p in enumerate(out_spec) if isinstance(p, Partial)]
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
     if not partial or reduction != 1:
@@ -329,8 +337,7 @@ def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
     summed[3] = 2  # torch's Reduction.Sum
     total = fn(*summed, **{k: v for k, v in kwargs.items() if k != "reduction"})
     count = (target != ignore).sum().to(total.dtype)
-    placements = [Partial() if a in partial else Replicate() for a in range(mesh.ndim)]
-    count = DTensor.from_local(count.detach(), mesh, placements, run_check=False).full_tensor()
+    count = _reduce_over(count.detach(), mesh, partial)
     return total / count
 
 
@@ -356,15 +363,6 @@ def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
     inside = (idx >= start) & (idx < start + w.shape[0])
     out = fn(w, torch.where(inside, idx - start, torch.zeros_like(idx)), *rest, **kwargs)
     return out * inside.unsqueeze(-1).to(out.dtype)
-
-
-def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
-    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd (an
-    all-reduce forward; the gradient, a partial sum on each rank, is
-    all-reduced back)."""
-    placements = [Partial() if a in axes else Replicate() for a in range(mesh.ndim)]
-    dt = DTensor.from_local(t, mesh, placements, run_check=False)
-    return dt.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=placements)
 
 
 def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):

@@ -214,6 +214,11 @@ def edge_memory(src_spec: tuple, dst_spec: tuple, meta, ctx: CostContext, saved:
     return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape)
 
 
+def gathers(moves: list[Move]) -> bool:
+    """Whether an edge's moves include an all-gather (a sharded tensor made whole)."""
+    return any(m.kind is Collective.ALL_GATHER for m in moves)
+
+
 def gather_transient(fwd: list[Move], dst_spec: tuple, meta, ctx: CostContext, regather: bool,
                      backward: bool) -> float:
     """Bytes alive for a moment in backward on an edge that gathers a sharded
@@ -221,7 +226,7 @@ def gather_transient(fwd: list[Move], dst_spec: tuple, meta, ctx: CostContext, r
     shards it, plus the full copy gathered again for a regathered (ZeRO-3)
     parameter. One such edge is in flight at a time, so the plan's peak adds
     the largest, on top of the activations."""
-    if not backward or not any(m.kind is Collective.ALL_GATHER for m in fwd):
+    if not backward or not gathers(fwd):
         return 0.0
     return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape) * (2 if regather else 1)
 
