@@ -137,8 +137,9 @@ class _Emitter:
                 regather = self.plan.parameters.get(node.fqn, {}).get("regather", False)
                 env[src.name] = g.call_function(spmd.param, (ph, spec, True) if regather else (ph, spec))
             elif node.kind is NodeKind.INPUT:
-                shape = self.inputs[src.name]["shape"]
-                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, self.local_inputs))
+                entry = self.inputs[src.name]
+                local = self.local_inputs or entry.get("local", False)
+                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, entry["shape"], local))
             else:
                 env[src.name] = g.call_function(spmd.replicate, (ph,))
             env[src.name].name = f"{src.name}_d"
@@ -147,7 +148,9 @@ class _Emitter:
             plan_node = specs["output"]
             outs = [_resharded(g, env, a, plan_node.input_specs[i], specs) for i, a in enumerate(node.inputs)]
             it = iter(outs)
-            g.output(fx.node.map_arg(src.args[0], lambda _: g.call_function(spmd.output, (next(it),))))
+            # a pipeline stage sends its shards on (pipeline_runtime.stage_plan); programs return full values
+            emit = spmd.local_output if self.plan.model.get("local_outputs") else spmd.output
+            g.output(fx.node.map_arg(src.args[0], lambda _: g.call_function(emit, (next(it),))))
             return
         plan_node = specs[src.name]
         if src.target is operator.getitem:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import sys
 import time
 import warnings
@@ -17,10 +16,9 @@ from torch.distributed.tensor import Shard
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
-    CostContext, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, optimizer_step_bytes,
-    gather_transient, gathers, optimizer_time, replays, splits,
+    CostContext, SharedReshards, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
+    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays,
 )
-from autopar.cost_models.resharding import grad_spec
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
 from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers, parse_layer
@@ -226,7 +224,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     live_again = _first_instance(set(recomputed), graph)
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
-    reshards = set()  # (producer, placement, gradient placement) already paid for
+    reshards = SharedReshards(len(mesh.shape))
     compute = comm = backward_s = sync_s = 0.0
     memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
               "buffers": 0.0}
@@ -253,13 +251,10 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd
-            # consumers that want the same placement share one reshard (solver.py)
-            reshard = (src, s.inputs[idx], grad_spec(s.inputs[idx], splits(s, len(ms))) if backward else None)
             kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
-            if reshard in reshards and node.target is not operator.getitem:
+            if not reshards.pays(node, idx, src, s, backward):
                 fwd, bwd, held = [], [], 0.0  # the first consumer's reshard (and its kept copy) serves this one
-            reshards.add(reshard)
             memory["activations"] += held
             nodes[-1].memory_bytes += held
             if graph.nodes[src].kind is NodeKind.PARAM:

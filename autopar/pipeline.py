@@ -54,13 +54,13 @@ from enum import Enum
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 
-from autopar.capture import Graph, NodeKind, capture
+from autopar.capture import Graph, Node, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
-    CostContext, _dtype_name, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, node_memory,
+    CostContext, SharedReshards, _dtype_name, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, node_memory,
     op_flops, optimizer_step_bytes,
 )
 from autopar.cost_models.resharding import transitions
@@ -273,16 +273,28 @@ class Cut:
     """The boundary before a layer, for one microbatch."""
 
     nbytes: float = 0.0
-    """Bytes of the crossing tensors (each device of the sending stage sends them whole)."""
+    """Bytes each device of the sending stage sends: its shards of the crossing
+    tensors (``cut_placements``)."""
     held_bytes: float = 0.0
     """Local bytes of the crossing tensors (what a recomputed layer keeps)."""
-    to_replicated_s: float = 0.0
-    """Making the crossing tensors replicated on the sending submesh (forward)."""
+    to_cut_s: float = 0.0
+    """Reducing crossing tensors that are Partial sums on the sending submesh (forward)."""
     p2p_fwd_s: float = 0.0
     """Send/recv of the activations on the pp axis."""
     p2p_bwd_s: float = 0.0
     """Send/recv of their gradients."""
     tensors: int = 0
+
+
+def cut_placements(spec: tuple) -> tuple:
+    """How a tensor crosses a stage boundary: in its producer's placements,
+    except that a Partial sum is reduced first. Every device of the sending
+    submesh sends its own shard to the device at the same submesh coordinate
+    of the next stage, which receives it in the same placements, so a tensor
+    sharded over the submesh crosses as 1/n of its bytes per device and is not
+    gathered (Megatron-LM's scatter/gather optimisation, Narayanan et al.
+    SC'21 sec. 4.1, falls out of sequence-parallel placements)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
 
 
 _NUMERIC_LAYER = [f.name for f in fields(LayerCost) if f.name not in ("name", "recomputable")]
@@ -351,11 +363,22 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision
     return chosen, strategies, solution, ctx, fallbacks
 
 
+def once_per_step(src: Node, spec: tuple, move) -> bool:
+    """Whether a backward move on a parameter's edge runs once per step rather
+    than once per microbatch: the reduction of a gradient over an axis the
+    parameter is replicated on. The pipeline runtime accumulates those local
+    partial sums over the microbatches and reduces them once after the last
+    (``spmd.accumulating``); a reduce-scatter into a sharded (ZeRO) parameter
+    runs in every microbatch's backward."""
+    return src.kind is NodeKind.PARAM and isinstance(spec[move.axis], Replicate)
+
+
 def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
     grad = needs_grad(graph)
     ms = ctx.mesh_shape
     costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
              for name in layers.names]
+    reshards = SharedReshards(len(ms))
     for node in graph.nodes.values():
         s = chosen[node.name]
         lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
@@ -373,27 +396,31 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if backward else 1)
         for idx, src in enumerate(node.inputs):
+            if not reshards.pays(node, idx, src, s, backward and src in grad):
+                continue  # the first consumer's reshard serves this one
             meta = graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
             lc.act_bytes += edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward)
             lc.comm_s += sum(mv.seconds for mv in fwd)
-            if graph.nodes[src].kind is NodeKind.PARAM:
-                lc.sync_s += sum(mv.seconds for mv in bwd)
-            else:
-                lc.comm_s += sum(mv.seconds for mv in bwd)
+            for mv in bwd:
+                if once_per_step(graph.nodes[src], chosen[src].output, mv):
+                    lc.sync_s += mv.seconds
+                else:
+                    lc.comm_s += mv.seconds
     cuts = [Cut() for _ in range(layers.n)]
-    replicated = tuple(Replicate() for _ in ms)
     for c in range(1, layers.n):
         cut = cuts[c]
         for name in layers.crossing[c]:
             spec = chosen[name].output
+            sent = cut_placements(spec)
             meta = graph.nodes[name].out
             nbytes = ctx.tensor_bytes(meta)
+            local = nbytes / shard_factor(sent, ms)
             cut.tensors += 1
-            cut.nbytes += nbytes
-            cut.held_bytes += nbytes / shard_factor(spec, ms)
-            cut.to_replicated_s += sum(m.seconds for m in transitions(spec, replicated, nbytes, ms, ctx.links))
-            t = collective_time(Collective.SEND_RECV, nbytes, pp_link) if pp_link is not None else 0.0
+            cut.nbytes += local
+            cut.held_bytes += local
+            cut.to_cut_s += sum(m.seconds for m in transitions(spec, sent, nbytes, ms, ctx.links))
+            t = collective_time(Collective.SEND_RECV, local, pp_link) if pp_link is not None else 0.0
             cut.p2p_fwd_s += t
             if name in grad and meta.dtype.is_floating_point:
                 cut.p2p_bwd_s += t
@@ -657,7 +684,7 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     params = np.array([lc.param_bytes for lc in prof.layers])
     pt, ps, pg, pk, pp_ = (np.concatenate([[0.0], np.cumsum(x)]) for x in (t, state, grads, kept, params))
     p2p_in = np.array([C[i].p2p_fwd_s if 0 < i < n else 0.0 for i in range(n + 1)])
-    out = np.array([C[j].p2p_bwd_s + C[j].to_replicated_s if 0 < j < n else 0.0 for j in range(n + 1)])
+    out = np.array([C[j].p2p_bwd_s + C[j].to_cut_s if 0 < j < n else 0.0 for j in range(n + 1)])
     i_idx = np.arange(n + 1)[:, None]
     j_idx = np.arange(n + 1)[None, :]
     valid = i_idx < j_idx
@@ -717,7 +744,7 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
            for _ in range(p)]
     for c, (i, j) in enumerate(ranges):
         r = c % p
-        comm = (C[i].p2p_fwd_s if i > 0 else 0.0) + (C[j].p2p_bwd_s + C[j].to_replicated_s if j < n else 0.0)
+        comm = (C[i].p2p_fwd_s if i > 0 else 0.0) + (C[j].p2p_bwd_s + C[j].to_cut_s if j < n else 0.0)
         chunk_time.append(float(t[i:j].sum()) + comm)
         d = dev[r]
         d["time"] += chunk_time[-1]
@@ -1197,29 +1224,42 @@ def _collectives(cand: Candidate, ctx: CostContext, stage_of: dict, mesh: Mesh, 
     inner = prof.submesh
     out = []
     m = cand.microbatches
+    reshards = SharedReshards(len(inner.shape))
     for node in graph.nodes.values():
         s = chosen[node.name]
         stage = stage_of.get(node.name, len(cand.ranges) - 1)
         for idx, src in enumerate(node.inputs):
+            backward = node.name in grad and src in grad
+            if not reshards.pays(node, idx, src, s, backward):
+                continue
             meta = graph.nodes[src].outputs[0]
-            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, node.name in grad and src in grad)
+            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward)
             for phase, moves in (("forward", fwd), ("backward", bwd)):
                 for mv in moves:
                     sync = phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM
+                    once = phase == "backward" and once_per_step(graph.nodes[src], chosen[src].output, mv)
                     out.append({"kind": mv.kind.value, "phase": phase, "mesh_axes": [inner.names[mv.axis]],
                                 "bytes": mv.nbytes, "seconds": mv.seconds, "node": node.name, "producer": src,
                                 "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
-                                "gradient_sync": sync, "stage": stage, "per_step": 1 if sync else m})
+                                "gradient_sync": sync, "stage": stage, "per_step": 1 if once else m})
     pp_link = axis_links(cluster, mesh.shape)[mesh.names.index(PP_AXIS)]
     for c, (i, j) in enumerate(cand.ranges):
         if j >= layers.n:
             continue
         for name in layers.crossing[j]:
             meta = graph.nodes[name].out
-            t = collective_time(Collective.SEND_RECV, meta.nbytes, pp_link)
+            spec = chosen[name].output
+            sent = cut_placements(spec)
+            nbytes = ctx.tensor_bytes(meta)
+            for mv in transitions(spec, sent, nbytes, inner.shape, ctx.links):  # Partial sums reduced first
+                out.append({"kind": mv.kind.value, "phase": "forward", "mesh_axes": [inner.names[mv.axis]],
+                            "bytes": mv.nbytes, "seconds": mv.seconds, "node": name, "producer": name,
+                            "tensor": name, "gradient_sync": False, "stage": c, "per_step": m})
+            local = nbytes / shard_factor(sent, inner.shape)
+            t = collective_time(Collective.SEND_RECV, local, pp_link)
             phases = ["forward"] + (["backward"] if name in grad and meta.dtype.is_floating_point else [])
             for phase in phases:
-                out.append({"kind": "send_recv", "phase": phase, "mesh_axes": [PP_AXIS], "bytes": meta.nbytes,
+                out.append({"kind": "send_recv", "phase": phase, "mesh_axes": [PP_AXIS], "bytes": local,
                             "seconds": t, "node": name, "producer": name, "tensor": name, "gradient_sync": False,
                             "stage": c, "from_stage": c if phase == "forward" else c + 1,
                             "to_stage": c + 1 if phase == "forward" else c, "per_step": m})

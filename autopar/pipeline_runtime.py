@@ -19,7 +19,9 @@ peer at the same submesh coordinate of the next stage.
   a plain AdamW updates them; gradients equal single-device full-batch
   training: each microbatch's mean loss is divided by m (``scale_grads`` of
   the torch schedules is off), which is exact for a loss that averages over
-  the batch, as torch's losses do by default;
+  the batch, as torch's losses do by default. Gradients of parameters
+  replicated over a submesh axis accumulate as local partial sums over the
+  microbatches and are all-reduced once per step (``spmd.GradAccumulation``);
 * ``state_dict()`` / ``load_state_dict()`` speak full tensors under the
   original names, gathered across the submesh and the stages.
 
@@ -52,7 +54,7 @@ from autopar.codegen import build_program, load_program, program_source
 from autopar.errors import AutoparError, LaunchError, PlanError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
-from autopar.pipeline import PP_AXIS, Layers, Schedule, group_layers, inner_spec, stage_ranges
+from autopar.pipeline import PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, stage_ranges
 from autopar.plan import NodePlan, Plan
 from autopar.runtime import in_torchrun, load_factory, relative_error, shard_of, torchrun_command
 from autopar.verify import finish
@@ -159,15 +161,18 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
     def inner(spec: str) -> str:
         return replicated if synthetic else inner_spec(spec, plan.mesh)
 
+    def crossing(name: str) -> str:
+        return replicated if synthetic else cut_spec(by_name[name].output_spec, plan.mesh)
+
     nodes, inputs = [], []
     shapes = {i["name"]: i for i in plan.inputs}
     for node in sg.graph.nodes.values():
-        if node.name in sg.recv:
-            nodes.append(NodePlan(node.name, "recv", node.fqn, [], [], replicated))
-            inputs.append({"name": node.name, "shape": list(node.out.shape)})
+        if node.name in sg.recv:  # this rank's shard, from its peer in the previous stage
+            nodes.append(NodePlan(node.name, "recv", node.fqn, [], [], crossing(node.name)))
+            inputs.append({"name": node.name, "shape": list(node.out.shape), "local": True})
         elif node.kind is NodeKind.OUTPUT:
-            nodes.append(NodePlan("output", "output", "", list(node.inputs), [replicated] * len(node.inputs),
-                                  replicated))
+            outs = [crossing(n) for n in node.inputs] if sg.sends is not None else [replicated] * len(node.inputs)
+            nodes.append(NodePlan("output", "output", "", list(node.inputs), outs, replicated))
         else:
             src = by_name.get(node.name)
             if src is None:
@@ -176,11 +181,18 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
                                   [inner(s) for s in src.input_specs], inner(src.output_spec)))
             if node.kind is NodeKind.INPUT:
                 inputs.append({"name": node.name, "shape": shapes[node.name]["microbatch_shape"]})
-    out = Plan(submesh, plan.cluster, [], {"fingerprint": sg.graph.fingerprint()}, {}, inputs, nodes, [],
+    model = {"fingerprint": sg.graph.fingerprint(), "local_outputs": sg.sends is not None}
+    out = Plan(submesh, plan.cluster, [], model, {}, inputs, nodes, [],
                {"step_time_s": 0.0, "peak_memory_bytes": 0.0}, {})
     recomputed = [name for name in plan.recompute.get("layers", []) if name in sg.layers]
     out.recompute = {"mode": "full" if recomputed else "none", "layers": recomputed}
     return out
+
+
+def cut_spec(spec: str, mesh: Mesh) -> str:
+    """A crossing tensor's placements on the stage submesh (``pipeline.cut_placements``)."""
+    inner = inner_spec(spec, mesh)
+    return fmt_spec(cut_placements(parse_spec(inner, mesh.ndim - 1)))
 
 
 def stage_source(sg: StageGraph, plan: Plan, submesh: Mesh) -> str:
@@ -303,6 +315,7 @@ class PipelinedModule(nn.Module):
                             "recompile the plan")
         layers = group_layers(graph)
         ranges = stage_ranges(plan, layers.names)
+        by_name = {n.name: n for n in plan.nodes}
         self._stage_of = {fqn: info["stage"] for fqn, info in plan.parameters.items()}
         self._placements = {fqn: tuple(parse_spec(inner_spec("".join(info["placements"]), plan.mesh)
                                                   if plan.mesh.ndim > 1 else "R", len(inner_names)))
@@ -325,11 +338,13 @@ class PipelinedModule(nn.Module):
                     local[fqn] = nn.Parameter(shard, requires_grad=full[fqn].requires_grad)
             module = StageModule(load_program(source, f"<autopar stage {c}>"), sg, local, self._buffers_full,
                                  self._inner, last=stop == layers.n)
-            in_args = tuple(self._example(graph.nodes[n].out, device) for n in sg.recv)
+            in_args = tuple(self._shard_example(graph.nodes[n].out, by_name[n].output_spec, device)
+                            for n in sg.recv)
             if stop == layers.n:
                 out_args = (torch.zeros((), device=device),)
             else:
-                out_args = tuple(self._example(graph.nodes[n].out, device) for n in sg.sends)
+                out_args = tuple(self._shard_example(graph.nodes[n].out, by_name[n].output_spec, device)
+                                 for n in sg.sends)
             stages.append(PipelineStage(module, c, len(ranges), device, input_args=in_args, output_args=out_args,
                                         group=self._pp_group))
         for fqn, info in plan.parameters.items():  # parameters no op uses stay on their plan stage
@@ -355,13 +370,18 @@ class PipelinedModule(nn.Module):
                                 f"{len(ranges)} stages on {p} ranks")
             self._schedule = SCHEDULES[schedule](stages[0], m, loss_fn=loss, scale_grads=False)
         self._anchor = torch.zeros((), requires_grad=True)
+        self._accumulation = spmd.GradAccumulation()
+        self.deferred_reductions = 0
+        """Gradient all-reduces the last step ran once, after its microbatches."""
         self._batch_shapes = [list(i["shape"]) for i in plan.inputs]
         self.loss_fn = loss_fn
 
-    @staticmethod
-    def _example(meta, device):
-        t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        return t.requires_grad_(meta.dtype.is_floating_point)
+    def _shard_example(self, meta, spec: str, device):
+        """This rank's shard of a crossing tensor (its shape is what the stages exchange)."""
+        placements = parse_spec(cut_spec(spec, self.plan.mesh), self._inner.ndim) \
+            if self.plan.mesh.ndim > 1 else (Replicate(),)
+        t = shard_of(torch.empty(meta.shape, dtype=meta.dtype, device=device), placements, self._inner)
+        return t.contiguous().requires_grad_(meta.dtype.is_floating_point)
 
     # --- the step ---------------------------------------------------------------------
     def forward(self, *inputs):
@@ -379,7 +399,9 @@ class PipelinedModule(nn.Module):
         target = torch.zeros(self._m, device=self._device)
         training = torch.is_grad_enabled()
         if training:
-            self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+            with self._accumulation.collecting():
+                self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+            self.deferred_reductions = self._accumulation.reduce(self._inner)
         else:
             self._schedule.eval(target=target, losses=losses, return_outputs=False, **kwargs)
         value = torch.zeros((), device=self._device)
@@ -519,14 +541,18 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
                                       torch.cat([state[k].flatten() for k in keys]))
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
     pipe = plan.pipeline
+    by_name = {n.name: n for n in plan.nodes}
     report["plan"] = {"schedule": pipe["schedule"], "microbatches": pipe["microbatches"],
                       "recompute": plan.recompute, "programs": {c: src.count("checkpoint")
                                                                  for c, src in pmodel.programs.items()},
                       "virtual_stages": pipe["virtual_stages"],
                       "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
                       "send_recv": plan.count(kind="send_recv"),
+                      "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh) if plan.mesh.ndim > 1 else "R"
+                               for s in pipe["stages"] for n in s.get("sends", [])},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()}}
     report["local_parameters"] = sorted(pmodel._local_fqns)
+    report["deferred_reductions"] = pmodel.deferred_reductions
     return report
 
 

@@ -15,7 +15,6 @@ constraints force them to 0/1. The objective is in microseconds.
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import sys
 import time
@@ -26,10 +25,9 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, edge_memory, edge_moves, needs_grad, step_temporaries, node_compute, node_memory, optimizer_time, param_transient,
-    replays, seconds, splits,
+    CostContext, edge_memory, edge_moves, needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
+    param_transient, replays, reshard_key, seconds, shares_reshard,
 )
-from autopar.cost_models.resharding import grad_spec
 from autopar.errors import InfeasibleError
 
 US = 1e6  # objective unit: microseconds
@@ -175,7 +173,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             out_groups.setdefault((s.output, s.regather), []).append(i)
         in_groups: dict = {}
         for j, s in enumerate(cons):
-            key = (s.inputs[idx], grad_spec(s.inputs[idx], splits(s, n_axes)) if backward else None)
+            key = reshard_key(idx, s, n_axes, backward)
             in_groups.setdefault(key, []).append((j, s))
         unit, replay, held, synced = {}, {}, {}, {}
         saved = dst in grad and kept[src, dst, idx] > 0
@@ -199,8 +197,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 add(objective, v, replay[p, key])
                 add(sync, v, synced[p, key])
             if unit[p, key] or held[p, key]:
-                # items of a tuple (getitem) are different tensors: never one reshard
-                item = graph.nodes[dst].target is operator.getitem
+                item = not shares_reshard(graph.nodes[dst])
                 group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
                                           [unit[p, key], set(), [], 0.0])
                 group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]

@@ -62,10 +62,72 @@ def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
     kept for backward; ops that save them save a note instead, and backward
     gathers the parameter again (see ``_Regather``)."""
     mesh = _mesh()
-    dt = DTensor.from_local(local, mesh, _spec(spec, mesh.ndim), run_check=False)
-    if regather:
-        dt._autopar_regather = True
+    placements = _spec(spec, mesh.ndim)
+    acc = getattr(_state, "accumulation", None)
+    axes = () if acc is None or not local.requires_grad else \
+        tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
+    if not axes:
+        dt = DTensor.from_local(local, mesh, placements, run_check=False)
+        if regather:
+            dt._autopar_regather = True
+        return dt
+    acc.pending[local] = axes
+    keep = tuple(Partial() if a in axes else p for a, p in enumerate(placements))
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, grad_placements=keep)
+    dt._autopar_deferred = axes
     return dt
+
+
+class GradAccumulation:
+    """Gradient accumulation over the microbatches of a pipeline step. Inside
+    it, the reduction of a parameter's gradient over the mesh axes the
+    parameter is replicated on is deferred: each microbatch adds its local
+    partial sum to ``.grad``, and ``reduce()`` all-reduces the accumulated
+    gradients once, after the last microbatch (what Megatron-LM and DDP's
+    ``no_sync`` do). Reductions into sharded parameters (ZeRO) still run in
+    every microbatch's backward."""
+
+    def __init__(self):
+        self.pending: dict = {}  # parameter -> mesh axes its gradient is still a partial sum over
+
+    @contextlib.contextmanager
+    def collecting(self):
+        prev = getattr(_state, "accumulation", None)
+        _state.accumulation = self
+        try:
+            yield
+        finally:
+            _state.accumulation = prev
+
+    def reduce(self, mesh) -> int:
+        """All-reduce every accumulated gradient over its deferred axes of
+        ``mesh`` (a DeviceMesh); returns how many all-reduces ran."""
+        count = 0
+        for prm, axes in self.pending.items():
+            if prm.grad is None:
+                continue
+            for a in axes:
+                torch.distributed.all_reduce(prm.grad, group=mesh.get_group(a))
+                count += 1
+        self.pending.clear()
+        return count
+
+
+class _DeferredReshard(torch.autograd.Function):
+    """``reshard`` of a parameter whose gradient reduction is deferred
+    (``GradAccumulation``): the gradient goes back to the parameter's
+    placements except that it stays a Partial sum on the deferred axes."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, want: tuple, axes: tuple):
+        ctx.src, ctx.axes = x.placements, axes
+        return x.redistribute(x.device_mesh, want)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        target = tuple(Partial() if a in ctx.axes and isinstance(grad.placements[a], Partial) else p
+                       for a, p in enumerate(ctx.src))
+        return grad.redistribute(grad.device_mesh, target), None, None
 
 
 def replicate(t: torch.Tensor) -> DTensor:
@@ -99,6 +161,9 @@ def reshard(x: DTensor, spec: str) -> DTensor:
     mesh = _mesh()
     want = _spec(spec, mesh.ndim)
     to_partial = [isinstance(b, Partial) and a != b for a, b in zip(x.placements, want)]
+    deferred = getattr(x, "_autopar_deferred", None)
+    if deferred and not any(to_partial):
+        return x if tuple(want) == tuple(x.placements) else _DeferredReshard.apply(x, want, deferred)
     if not any(to_partial):
         out = x.redistribute(mesh, want)
         if getattr(x, "_autopar_regather", False) and not getattr(_state, "in_checkpoint", False):
@@ -305,6 +370,12 @@ def output(x):
         mesh = _mesh()
         return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
     return x
+
+
+def local_output(x):
+    """A program output kept as this rank's shard (what a pipeline stage sends
+    its peer in the next stage, which receives it in the same placements)."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 # --- local implementations that need to know their shard -----------------

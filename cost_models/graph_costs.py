@@ -199,6 +199,38 @@ def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostC
     return fwd, bwd
 
 
+def reshard_key(index: int, s: Strategy, n_axes: int, backward: bool) -> tuple:
+    """What consumers of one producer share a reshard by: the placement they
+    want and the placement their gradient comes back in. Codegen emits one
+    reshard per producer and key, and the consumers' gradients meet there and
+    go back in one collective, so it is paid once (the ILP, ``build_plan`` and
+    the pipeline's stage pricing all group edges by this key)."""
+    return s.inputs[index], grad_spec(s.inputs[index], splits(s, n_axes)) if backward else None
+
+
+def shares_reshard(consumer: Node) -> bool:
+    """Tuple items (``getitem``) are different tensors: each has its own reshard."""
+    return consumer.target is not operator.getitem
+
+
+class SharedReshards:
+    """Walks a chosen plan's edges and says which of them pay for their reshard:
+    the first consumer of each (producer, ``reshard_key``)."""
+
+    def __init__(self, n_axes: int):
+        self.n_axes = n_axes
+        self.paid: set = set()
+
+    def pays(self, consumer: Node, index: int, src: str, s: Strategy, backward: bool) -> bool:
+        if not shares_reshard(consumer):
+            return True
+        key = reshard_key(index, s, self.n_axes, backward)
+        if (src, key) in self.paid:
+            return False
+        self.paid.add((src, key))
+        return True
+
+
 def replays(regather: bool, recomputed: bool, saved: bool) -> bool:
     """Whether an edge's forward collectives run again in backward: in a
     recomputed consumer, or for a regathered (ZeRO-3) parameter whose consumer

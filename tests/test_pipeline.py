@@ -155,7 +155,11 @@ def test_pinned_pipeline_plan():
     assert plan.parameters["blocks.0.attn.q.weight"]["placements"] == ["R", "S(0)"]  # column-parallel in a stage
     sends = [c for c in plan.collectives if c["kind"] == "send_recv"]
     assert {(c["phase"], c["from_stage"], c["to_stage"]) for c in sends} == {("forward", 0, 1), ("backward", 1, 0)}
-    assert all(c["mesh_axes"] == ["pp"] and c["bytes"] == 2 * 32 * 64 * 4 for c in sends)  # a 2x32x64 fp32 microbatch
+    # a 2x32x64 fp32 microbatch; each rank sends its own shard of it (the producer's placement on tp)
+    specs = {n.name: n.output_spec for n in plan.nodes}
+    for c in sends:
+        sharded = "S(" in specs[c["tensor"]]  # (pp, tp) placements; pp is always R
+        assert c["mesh_axes"] == ["pp"] and c["bytes"] == 2 * 32 * 64 * 4 / (2 if sharded else 1), (c, specs)
     again = Plan.from_json(json.loads(plan.dumps()))
     assert again.pipeline == plan.pipeline
 
@@ -248,5 +252,9 @@ def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
     assert recomputed["plan"]["recompute"] == {"mode": "full", "layers": ["blocks.0", "blocks.1"]}
     assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1], [2, 3]]
     assert any(p[1] != "R" for p in r["plan"]["parameters"].values()), "no tensor parallelism inside the stages"
+    # what crosses the cut travels as shards of the submesh, each rank to its peer
+    assert r["plan"]["sent"] and all(spec != "R" for spec in r["plan"]["sent"].values()), r["plan"]["sent"]
+    # gradients replicated over tp accumulate over the 4 microbatches and are all-reduced once
+    assert r["deferred_reductions"] > 0
     by_rank = r["local_parameters_by_rank"]
     assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3] and not set(by_rank[0]) & set(by_rank[2])
