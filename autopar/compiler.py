@@ -16,8 +16,8 @@ from torch.distributed.tensor import Shard
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
-    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays,
+    CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
+    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays, saved_outputs, saves_input,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -220,6 +220,7 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
                source: str | None, recomputed: set = frozenset()) -> Plan:
     grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
     from autopar.solver import _first_instance
     live_again = _first_instance(set(recomputed), graph)
     nodes, collectives = [], []
@@ -236,7 +237,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             b += f  # the forward runs again in backward
         compute += f + b
         backward_s += b
-        parts = memory_breakdown(node, s, ctx, node.name in grad)
+        parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
+        memory["buffers"] = max(memory["buffers"], backward_working_set(graph, node, s, ctx, grad))
         if node.name in recomputed and node.name not in live_again:
             parts = {k: v for k, v in parts.items() if k != "activations"}
         mem = sum(parts.values())
@@ -251,10 +253,11 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd
-            kept = node.name in grad and (node.name not in recomputed or node.name in live_again)
+            kept = node.name in grad and saves_input(node) and (node.name not in recomputed or node.name in live_again)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
+            held = reshards.keeps(node, idx, src, s, backward, held)
             if not reshards.pays(node, idx, src, s, backward):
-                fwd, bwd, held = [], [], 0.0  # the first consumer's reshard (and its kept copy) serves this one
+                fwd, bwd = [], []  # the first consumer's reshard serves this one
             memory["activations"] += held
             nodes[-1].memory_bytes += held
             if graph.nodes[src].kind is NodeKind.PARAM:

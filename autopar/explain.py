@@ -147,6 +147,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
         CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
+        saved_outputs, saves_input,
     )
     from autopar.passes.enumerate import enumerate_strategies
 
@@ -163,6 +164,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     optimizer = plan.predicted.get("optimizer") or plan.model.get("optimizer") or "adamw"
     ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), optimizer, **kwargs)
     grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
     planned = {n.name: n for n in plan.nodes}
     node = graph.nodes[name]
     chosen_text = planned[name].strategy
@@ -187,7 +189,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             fwd, bwd = edge_moves(producer.output, s, idx, meta, ctx, name in grad and src in grad)
             transfers += _transfers(src, "in", name, fwd, bwd, mesh.names)
             if not producer.regather:
-                held += edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad)
+                held += edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node))
         for c, idx in consumers:
             fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)
@@ -197,7 +199,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         candidates.append(Candidate(
             str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in"),
             sum(t.seconds for t in transfers if t.direction == "out"),
-            node_memory(node, s, ctx, name in grad) + held, str(s) == chosen_text, transfers))
+            node_memory(node, s, ctx, kept_share.get(name, 0.0)) + held, str(s) == chosen_text, transfers))
     if not any(c.chosen for c in candidates):
         raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
                         "the model or autopar's rules changed since the plan was compiled; recompile it")

@@ -60,7 +60,8 @@ from autopar.capture import Graph, Node, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, _dtype_name, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute, node_memory,
+    CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
+    node_memory, saved_outputs, saves_input,
     op_flops, optimizer_step_bytes,
 )
 from autopar.cost_models.resharding import transitions
@@ -253,6 +254,9 @@ class LayerCost:
     """Optimizer states (and fp32 master weights under mixed precision)."""
     act_bytes: float = 0.0
     """Activations saved for backward, and resharded copies kept for it."""
+    transient_bytes: float = 0.0
+    """The largest gradient working set of one of its ops in backward
+    (graph_costs.backward_working_set)."""
     flops: float = 0.0
     """Model FLOPs (matmuls, forward and backward) of the whole microbatch."""
     recomputable: bool = False
@@ -375,6 +379,7 @@ def once_per_step(src: Node, spec: tuple, move) -> bool:
 
 def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
     grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
     ms = ctx.mesh_shape
     costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
              for name in layers.names]
@@ -386,21 +391,23 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         f, b = node_compute(node, s, ctx, backward)
         lc.fwd_s += f
         lc.bwd_s += b
-        parts = memory_breakdown(node, s, ctx, backward)
+        parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
         lc.optimizer_bytes += parts.get("optimizer", 0.0)
         lc.act_bytes += parts.get("activations", 0.0)
+        lc.transient_bytes = max(lc.transient_bytes, backward_working_set(graph, node, s, ctx, grad))
         if node.kind is NodeKind.OP and node.info is not None:
             rule = get_rule(node.target)
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if backward else 1)
         for idx, src in enumerate(node.inputs):
+            meta = graph.nodes[src].outputs[0]
+            held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node))
+            lc.act_bytes += reshards.keeps(node, idx, src, s, backward and src in grad, held)
             if not reshards.pays(node, idx, src, s, backward and src in grad):
                 continue  # the first consumer's reshard serves this one
-            meta = graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
-            lc.act_bytes += edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward)
             lc.comm_s += sum(mv.seconds for mv in fwd)
             for mv in bwd:
                 if once_per_step(graph.nodes[src], chosen[src].output, mv):
@@ -647,14 +654,15 @@ def _in_flight(schedule: Schedule, p: int, m: int, v: int, rank: int) -> float:
 
 def _layer_arrays(prof: Profile, recompute: bool):
     """Per layer: time per microbatch, state bytes, activation bytes kept per
-    microbatch in flight, and the working set of a recomputed layer."""
+    microbatch in flight, and its working set in backward (its activations
+    again when recomputed, plus its largest gradient working set)."""
     L, C = prof.layers, prof.cuts
     rc = [recompute and lc.recomputable for lc in L]
     t = np.array([lc.time_s + (lc.fwd_s if r else 0.0) for lc, r in zip(L, rc)])
     state = np.array([lc.param_bytes + lc.optimizer_bytes for lc in L])
     grads = np.array([lc.grad_bytes for lc in L])
     kept = np.array([(C[i].held_bytes if i > 0 else 0.0) if r else lc.act_bytes for i, (lc, r) in enumerate(zip(L, rc))])
-    work = np.array([lc.act_bytes if r else 0.0 for lc, r in zip(L, rc)])
+    work = np.array([(lc.act_bytes if r else 0.0) + lc.transient_bytes for lc, r in zip(L, rc)])
     return t, state, grads, kept, work
 
 
@@ -694,9 +702,8 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     K = pk[None, :] - pk[:, None]
     temp = _step_temp(prof, 1.0) * (pp_[None, :] - pp_[:, None])  # optimizer-step temporaries
     W = np.zeros((n + 1, n + 1))
-    if recompute:
-        for i in range(n):
-            W[i, i + 1:] = np.maximum.accumulate(work[i:])
+    for i in range(n):
+        W[i, i + 1:] = np.maximum.accumulate(work[i:])
     allowed = np.ones(n + 1, bool)
     for c in prof.forbidden:
         if 0 < c < n:
@@ -1152,6 +1159,7 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
     inner = prof.submesh
     ctx = prof.ctx
     grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
     p, m = cand.stages, cand.microbatches
     nodes = []
     for node in graph.nodes.values():
@@ -1159,7 +1167,8 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
         f, b = node_compute(node, s, ctx, node.name in grad)
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
                               [_full_spec(x, inner, mesh) for x in s.inputs], _full_spec(s.output, inner, mesh), f + b,
-                              node_memory(node, s, ctx, node.name in grad), len(prof.strategies[node.name])))
+                              node_memory(node, s, ctx, kept_share.get(node.name, 0.0)),
+                              len(prof.strategies[node.name])))
     stage_of, stage_entries = {}, []
     for c, (i, j) in enumerate(cand.ranges):
         names = layers.nodes_of(graph, i, j)

@@ -81,13 +81,15 @@ def shutdown() -> None:
 
 
 def shard_of(full: torch.Tensor, placements, mesh) -> torch.Tensor:
-    """This rank's piece of ``full`` (no communication: every rank holds ``full``)."""
+    """This rank's piece of ``full`` (no communication: every rank holds
+    ``full``), in storage of its own: a chunk is a view, and a view would keep
+    the whole tensor alive."""
     local = full
     coord = mesh.get_coordinate()
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             local = local.chunk(mesh.size(axis), dim=p.dim)[coord[axis]]
-    return local.contiguous()
+    return local.clone(memory_format=torch.contiguous_format) if local is not full else local.contiguous()
 
 
 def _split(fqn: str):

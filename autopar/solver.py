@@ -25,8 +25,9 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, edge_memory, edge_moves, needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
-    param_transient, replays, reshard_key, seconds, shares_reshard,
+    CostContext, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, step_temporaries,
+    node_compute, node_memory, optimizer_time,
+    param_transient, replays, reshard_key, saved_outputs, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
 
@@ -72,6 +73,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     (a pipeline stage's graph is one microbatch; the update runs once a step)."""
     t0 = time.perf_counter()
     grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
     rep = classes or {name: name for name in graph.nodes}
@@ -80,7 +82,11 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     model.SuppressOutput()
     n_axes = len(ctx.mesh_shape)
     objective: dict = {}  # variable -> coefficient
+    # Peak memory = what is always held (parameters, optimizer state, inputs)
+    # + max(activations and backward transients, gradients and the optimizer
+    # step's temporaries): two rows, `mem` the first side, `late` the second.
     mem: dict = {}
+    late: dict = {}
 
     def add(table, var, c):
         if c:
@@ -103,8 +109,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 if i != pinned[name]:
                     v.SetUb(0)
         node, backward = graph.nodes[name], name in grad
-        priced[name] = [(node_compute(node, st, ctx, backward), node_memory(node, st, ctx, backward)
-                         + step_temporaries(node, st, ctx), optimizer_time(node, st, ctx) if optimizer_step else 0.0)
+        priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
+                         optimizer_time(node, st, ctx) if optimizer_step else 0.0)
                         for st in strats]
     # Gradient synchronisation hides under backward compute where the cluster
     # overlaps them (Cluster.overlap_grad_sync): the objective then pays only
@@ -116,27 +122,32 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     for name in graph.nodes:
         r = rep[name]
         again = name in recomputed
-        for i, ((f, b), m, opt) in enumerate(priced[r]):
+        own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
+        for i, ((f, b), (early, later), opt) in enumerate(priced[r]):
+            if own:
+                early, later = _sides(graph.nodes[name], strategies[r][i], ctx, kept_share.get(name, 0.0))
             b += f if again else 0.0  # the forward runs again in backward
             add(objective, x[r][i], (f + b + opt) * US)
             add(backward_us, x[r][i], b * US if overlap else 0.0)
             if graph.nodes[name].kind is NodeKind.OP and again:
-                m = m if name in live_again else 0.0
-            add(mem, x[r][i], m)
+                early = early if name in live_again else 0.0
+            add(mem, x[r][i], early)
+            add(late, x[r][i], later)
 
-    # The largest gathered-parameter transient (graph_costs.gather_transient)
-    # counts once: T >= its bytes for every sharded parameter choice (an upper
-    # bound: a tensor-parallel consumer of the shard gathers nothing). Only
+    # The largest backward transient counts once: T >= its bytes for every
+    # choice, a gathered parameter's full gradient (graph_costs.gather_transient;
+    # an upper bound: a tensor-parallel consumer of the shard gathers nothing)
+    # or an op's gradient working set (graph_costs.backward_working_set). Only
     # under a budget: without one, memory is reported, not optimised.
     biggest = model.NumVar(0.0, model.infinity(), "transient") if memory_budget is not None else None
     largest_transient = 0.0
     for name in count if biggest is not None else ():
         node = graph.nodes[name]
-        if node.kind is not NodeKind.PARAM or name not in grad:
+        if name not in grad:
             continue
         mem[biggest] = 1.0
         for i, st in enumerate(strategies[name]):
-            nbytes = param_transient(node, st, ctx)
+            nbytes = max(param_transient(node, st, ctx), backward_working_set(graph, node, st, ctx, grad))
             largest_transient = max(largest_transient, nbytes)
             if nbytes:
                 row = model.Constraint(0.0, model.infinity())
@@ -149,6 +160,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # and `plain` the others.
     edges, kept, replayed = Counter(), Counter(), Counter()
     producers: dict = {}  # edge key -> the producer instances behind it
+    keeping: dict = {}  # edge key -> the producer instances whose consumer here keeps its input
     for node in graph.nodes.values():
         for idx, src in enumerate(node.inputs):
             key = (rep[src], rep[node.name], idx)
@@ -156,6 +168,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             producers.setdefault(key, set()).add(src)
             if node.name not in recomputed or node.name in live_again:
                 kept[key] += 1
+                keeping.setdefault(key, set()).add(src)
             if node.name in recomputed:
                 replayed[key] += 1
     # A reshard is shared by every consumer of one producer that wants the same
@@ -176,7 +189,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             key = reshard_key(idx, s, n_axes, backward)
             in_groups.setdefault(key, []).append((j, s))
         unit, replay, held, synced = {}, {}, {}, {}
-        saved = dst in grad and kept[src, dst, idx] > 0
+        saved = dst in grad and kept[src, dst, idx] > 0 and saves_input(graph.nodes[dst])
         is_param = graph.nodes[src].kind is NodeKind.PARAM
         hides = overlap and is_param
         plain = times - replayed[src, dst, idx]
@@ -188,8 +201,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
                 replay[p, key] = seconds(f) * again * US
                 synced[p, key] = seconds(b) * times * US if hides else 0.0
-                held[p, key] = 0.0 if regather else \
-                    edge_memory(spec, key[0], meta, ctx, saved) * kept[src, dst, idx]
+                held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved)
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
@@ -199,10 +211,12 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             if unit[p, key] or held[p, key]:
                 item = not shares_reshard(graph.nodes[dst])
                 group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
-                                          [unit[p, key], set(), [], 0.0])
+                                          [unit[p, key], set(), [], {}])
                 group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]
                 group[2].append(terms)
-                group[3] = max(group[3], held[p, key])  # the one resharded copy, kept for backward
+                # one resharded copy per producer instance, kept for backward if a consumer keeps it
+                for inst in range(kept[src, dst, idx]) if item else keeping.get((src, dst, idx), ()):
+                    group[3][inst] = max(group[3].get(inst, 0.0), held[p, key])
 
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
@@ -231,7 +245,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
-    for seconds_us, instances, selections, kept_bytes in shared.values():
+    for seconds_us, instances, selections, copies in shared.values():
+        kept_bytes = sum(copies.values())
         if len(selections) == 1:
             for terms in selections:  # one consumer edge: pay on its choice
                 for v in terms:
@@ -249,13 +264,16 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     # The most memory any plan could take: each node's and edge's largest
     # choice. Under the budget, the row never binds (solution.extra).
-    most = sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values()) \
-        + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs) + largest_transient
+    most = max(sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values())
+               + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs) + largest_transient,
+               sum(max(late.get(v, 0.0) for v in vs) for vs in x.values()))
+    budget_rows = []
     if memory_budget is not None:
-        # in MiB so that the row is well scaled next to the objective
-        budget_row = model.Constraint(-model.infinity(), memory_budget / 2**20)
-        for v, c in mem.items():
-            budget_row.SetCoefficient(v, c / 2**20)
+        # in MiB so that the rows are well scaled next to the objective
+        for side in (mem, late):
+            budget_rows.append(model.Constraint(-model.infinity(), memory_budget / 2**20))
+            for v, c in side.items():
+                budget_rows[-1].SetCoefficient(v, c / 2**20)
     obj = model.Objective()
     for v, c in objective.items():
         obj.SetCoefficient(v, c)
@@ -271,7 +289,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     def snapshot(status_name: str, extra_us: float = 0.0) -> tuple:
         chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
-        used = sum(c * v.solution_value() for v, c in mem.items() if v is biggest or v.solution_value() > 0.5)
+        used = max(sum(c * v.solution_value() for v, c in side.items() if v is biggest or v.solution_value() > 0.5)
+                   for side in (mem, late))
         return chosen, used, (obj.Value() + extra_us) / US, obj.BestBound() / US, status_name
 
     result = snapshot(names[status]) if status in ok else None
@@ -306,10 +325,12 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     if result is None:
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             # the same model, minimising memory without the budget: the least any plan needs
-            budget_row.SetUb(model.infinity())
+            peak = model.NumVar(0.0, model.infinity(), "peak")
+            for row, side in zip(budget_rows, (mem, late)):  # peak >= each side
+                row.SetUb(0.0)
+                row.SetCoefficient(peak, -1.0)
             obj.Clear()
-            for v, c in mem.items():
-                obj.SetCoefficient(v, c / 2**20)
+            obj.SetCoefficient(peak, 1.0)
             with _quiet_stdout():
                 least = model.Solve(params)
             need = obj.Value() * 2**20 if least in ok else None
@@ -321,6 +342,15 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "memory_never_binds": memory_budget is None or most <= memory_budget,
                      "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
+
+
+def _sides(node, s, ctx: CostContext, kept: float) -> tuple[float, float]:
+    """A node's bytes on the two sides of the peak: (held + activations,
+    held + gradients + optimizer-step temporaries)."""
+    parts = memory_breakdown(node, s, ctx, kept)
+    held = parts.get("parameters", 0.0) + parts.get("optimizer", 0.0) + parts.get("inputs", 0.0)
+    return held + parts.get("activations", 0.0), \
+        held + parts.get("gradients", 0.0) + step_temporaries(node, s, ctx)
 
 
 def _first_instance(recomputed: set, graph: Graph) -> set:
@@ -343,7 +373,8 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
         if node.name in recomputed and node.name not in live_again and node.kind is NodeKind.OP:
             least[node.name] = 0.0
             continue
-        least[node.name] = min(node_memory(node, s, ctx, node.name in grad) for s in strategies[node.name])
+        kept = saved_outputs(graph).get(node.name, 0.0)
+        least[node.name] = min(node_memory(node, s, ctx, kept) for s in strategies[node.name])
     need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
     from autopar.report import fmt_bytes

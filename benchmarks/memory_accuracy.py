@@ -41,7 +41,9 @@ def measure(source, mesh, cluster, budget_mib):
     device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
     program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    # the multi-tensor step torch uses by default on CUDA, which plans for GPU clusters price
+    # (graph_costs.optimizer_step_bytes); on CPU torch defaults to a per-parameter loop
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3, foreach=True)
     tracker = LiveBytes()
     with tracker:
         tracker.track(list(pmodel.parameters()))

@@ -140,17 +140,77 @@ VIEW_OPS = {
 """Ops whose output shares its input's storage: they hold no memory of their own."""
 
 
-def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> dict:
-    """Bytes per device this node holds over the step under strategy ``s``, by kind."""
+SAVES_NOTHING = {
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default, _aten.cat.default, _aten.sum.dim_IntList,
+    _aten.sum.default, _aten.mean.dim, _aten.mean.default, _aten.clone.default, _aten.contiguous.default,
+    _aten._to_copy.default, _aten.to.dtype, _aten.broadcast_tensors.default, _aten.ne.Scalar,
+    _aten.arange.default, _aten.arange.start, _aten.one_hot.default, _aten.zeros.default, _aten.ones.default,
+}
+"""Ops whose backward needs none of their inputs or outputs (derivatives.yaml:
+the gradient passes through, is negated, split or broadcast)."""
+SAVES_OUTPUT = {
+    _aten.relu.default, _aten.tanh.default, _aten.sigmoid.default, _aten.exp.default, _aten.rsqrt.default,
+    _aten.sqrt.default, _aten.softmax.int, _aten._softmax.default, _aten.log_softmax.int,
+    _aten._log_softmax.default,
+}
+"""Ops whose backward needs only their output (derivatives.yaml: relu, tanh,
+sigmoid, exp, rsqrt, sqrt and softmax are differentiated through the result)."""
+SAVES_INPUTS = {
+    _aten.linear.default, _aten.mm.default, _aten.bmm.default, _aten.matmul.default, _aten.addmm.default,
+    _aten.einsum.default, _aten.conv2d.default, _aten.embedding.default, _aten.gelu.default, _aten.silu.default,
+    _aten.layer_norm.default, _aten.batch_norm.default, _aten.mul.Tensor, _aten.div.Tensor,
+    _aten.pow.Tensor_Scalar, _aten.cross_entropy_loss.default, _aten.nll_loss.default, _aten.mse_loss.default,
+    _aten.adaptive_avg_pool2d.default,
+}
+"""Ops whose backward needs their inputs but not their output (products,
+GELU/SiLU, the norms: mean and rstd are per-row and small; cross entropy
+keeps its log-softmax, the size of its input). Any other op is assumed to
+keep its inputs and its output (an upper bound)."""
+DROPOUT_MASK_BYTES = 1
+"""aten.native_dropout keeps a bool mask, one byte per element, for backward."""
+
+
+def saves_input(consumer: Node) -> bool:
+    """Whether autograd keeps a consumer's (floating-point) inputs for its backward."""
+    target = consumer.target
+    return consumer.kind is NodeKind.OP and target not in SAVES_NOTHING and target not in SAVES_OUTPUT \
+        and target not in VIEW_OPS and target is not _aten.dropout.default
+
+
+def saved_outputs(graph: Graph) -> dict:
+    """Per node, the share of its output's bytes kept for backward: 1 when its
+    own backward needs it or a consumer's does (through views, which share its
+    storage), a bool mask's share for dropout, 0 when nothing needs it (an
+    add, a reduce-scattered partial sum, a dropout's output)."""
+    grad = needs_grad(graph)
+    consumers = graph.consumers()
+    kept: dict = {}
+    for name in reversed(list(graph.nodes)):
+        node = graph.nodes[name]
+        if node.kind is not NodeKind.OP or name not in grad:
+            continue
+        own = node.target not in SAVES_NOTHING and node.target not in SAVES_INPUTS \
+            and node.target not in VIEW_OPS and node.target is not _aten.dropout.default
+        used = any(c in grad and (saves_input(graph.nodes[c]) or kept.get(c, 0.0) and graph.nodes[c].target in VIEW_OPS)
+                   for c, _ in consumers.get(name, []))
+        if own or used:
+            kept[name] = 1.0
+        elif node.target is _aten.dropout.default:
+            kept[name] = DROPOUT_MASK_BYTES / max(1, node.out.dtype.itemsize)
+    return kept
+
+
+def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> dict:
+    """Bytes per device this node holds over the step under strategy ``s``, by
+    kind; ``kept`` is the share of its output kept for backward (``saved_outputs``)."""
     ms = ctx.mesh_shape
     if node.kind is NodeKind.PARAM:
         elements = math.prod(node.out.shape) / shard_factor(s.output, ms)
         return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer).items()}
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
-    if node.kind is NodeKind.OP and backward and node.target not in VIEW_OPS:
-        # the output is kept for backward (an upper bound: some ops save less)
-        return {"activations": sum(ctx.tensor_bytes(m) for m in node.outputs) / shard_factor(s.output, ms)}
+    if node.kind is NodeKind.OP and kept and node.target not in VIEW_OPS:
+        return {"activations": kept * sum(ctx.tensor_bytes(m) for m in node.outputs) / shard_factor(s.output, ms)}
     return {}
 
 
@@ -168,7 +228,7 @@ def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
     """``optimizer_step_bytes`` of one parameter's local shard."""
     if node.kind is not NodeKind.PARAM:
         return 0.0
-    return optimizer_step_bytes(memory_breakdown(node, s, ctx, True)["parameters"], ctx)
+    return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx)
 
 
 def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
@@ -183,8 +243,8 @@ def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
     return elements * 4 * (2 + 2 * states + 1) / ctx.cluster.device.streaming_bandwidth
 
 
-def node_memory(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> float:
-    return sum(memory_breakdown(node, s, ctx, backward).values())
+def node_memory(node: Node, s: Strategy, ctx: CostContext, kept: float) -> float:
+    return sum(memory_breakdown(node, s, ctx, kept).values())
 
 
 def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):
@@ -214,21 +274,38 @@ def shares_reshard(consumer: Node) -> bool:
 
 
 class SharedReshards:
-    """Walks a chosen plan's edges and says which of them pay for their reshard:
-    the first consumer of each (producer, ``reshard_key``)."""
+    """Walks a chosen plan's edges and says which of them pay for their reshard
+    (the first consumer of each producer and ``reshard_key``) and what each
+    adds to the resharded copy kept for backward (one copy per reshard, kept
+    if any of its consumers keeps it)."""
 
     def __init__(self, n_axes: int):
         self.n_axes = n_axes
         self.paid: set = set()
+        self.held: dict = {}
+
+    def _key(self, consumer: Node, index: int, src: str, s: Strategy, backward: bool):
+        if not shares_reshard(consumer):
+            return None
+        return src, reshard_key(index, s, self.n_axes, backward)
 
     def pays(self, consumer: Node, index: int, src: str, s: Strategy, backward: bool) -> bool:
-        if not shares_reshard(consumer):
+        key = self._key(consumer, index, src, s, backward)
+        if key is None:
             return True
-        key = reshard_key(index, s, self.n_axes, backward)
-        if (src, key) in self.paid:
+        if key in self.paid:
             return False
-        self.paid.add((src, key))
+        self.paid.add(key)
         return True
+
+    def keeps(self, consumer: Node, index: int, src: str, s: Strategy, backward: bool, nbytes: float) -> float:
+        """The bytes this edge adds to the kept copies, given that it alone would keep ``nbytes``."""
+        key = self._key(consumer, index, src, s, backward)
+        if key is None:
+            return nbytes
+        before = self.held.get(key, 0.0)
+        self.held[key] = max(before, nbytes)
+        return self.held[key] - before
 
 
 def replays(regather: bool, recomputed: bool, saved: bool) -> bool:
@@ -261,6 +338,25 @@ def gather_transient(fwd: list[Move], dst_spec: tuple, meta, ctx: CostContext, r
     if not backward or not gathers(fwd):
         return 0.0
     return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape) * (2 if regather else 1)
+
+
+def backward_working_set(graph: Graph, node: Node, s: Strategy, ctx: CostContext, grad: set) -> float:
+    """Bytes alive for a moment while autograd runs one op's backward, on top
+    of the activations still kept: the gradient of its output and the
+    gradients it makes for its inputs, local under ``s``. Cross entropy is a
+    log-softmax then an NLL loss (aten's composite), so its backward also
+    holds the log-softmax's gradient, the size of its input. The plan's peak
+    adds the largest (with ``gather_transient``'s)."""
+    if node.kind is not NodeKind.OP or node.name not in grad or node.target in VIEW_OPS:
+        return 0.0
+    ms = ctx.mesh_shape
+    total = ctx.tensor_bytes(node.out) / shard_factor(s.output, ms)
+    for idx, src in enumerate(node.inputs):
+        meta = graph.nodes[src].outputs[0]
+        if src in grad and meta.dtype.is_floating_point:
+            local = ctx.tensor_bytes(meta) / shard_factor(s.inputs[idx], ms)
+            total += local * (2 if node.target is _aten.cross_entropy_loss.default else 1)
+    return total
 
 
 def param_transient(node: Node, s: Strategy, ctx: CostContext) -> float:

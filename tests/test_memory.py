@@ -73,8 +73,9 @@ def parameter_heavy():
 # budget (MB), ZeRO stages that must appear, stages that must not, recomputation
 SWEEP = [
     (None, {0}, {2, 3}, "none"),   # plain data parallelism
-    (200, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
-    (90, {3}, set(), "full"),      # ZeRO-3 and full recomputation
+    (150, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
+    (100, {3}, set(), "none"),     # ZeRO-3
+    (70, set(), set(), "full"),    # full recomputation
 ]
 
 
@@ -98,7 +99,7 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     with pytest.raises(autopar.InfeasibleError, match=r"smallest plan needs at least \d+\.\d+ MiB") as info:
         autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=50e6)
     need = info.value.needed_bytes
-    assert 50e6 < need < 90e6
+    assert 50e6 < need < 70e6
     plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16",
                            memory=need * 1.001)
     assert plan.predicted["peak_memory_bytes"] <= need * 1.001
@@ -108,7 +109,7 @@ def test_zero_3_trades_communication_for_memory():
     """The same parameter sharded: regathering in backward (ZeRO-3) holds no
     full copy until backward and pays one more all-gather (phase recompute)."""
     model, inputs, loss, cluster = parameter_heavy()
-    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=90e6)
+    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=100e6)
     regathered = {fqn for fqn, p in plan.parameters.items() if p["zero_stage"] == 3}
     again = {c["tensor"] for c in plan.collectives if c["phase"] == "recompute" and c["kind"] == "all_gather"}
     assert regathered and regathered <= again
