@@ -145,13 +145,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         node = graph.nodes[name]
         if name not in grad:
             continue
-        mem[biggest] = 1.0
+        mem[biggest] = 2.0**20  # the variable is in MiB, like the rows, for scaling
         for i, st in enumerate(strategies[name]):
             nbytes = max(param_transient(node, st, ctx), backward_working_set(graph, node, st, ctx, grad))
             largest_transient = max(largest_transient, nbytes)
             if nbytes:
                 row = model.Constraint(0.0, model.infinity())
-                row.SetCoefficient(biggest, 1.0 / 2**20)
+                row.SetCoefficient(biggest, 1.0)
                 row.SetCoefficient(x[name][i], -nbytes / 2**20)
 
     # Edges with the same representatives share variables; `kept` counts the

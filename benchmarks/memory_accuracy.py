@@ -28,8 +28,8 @@ CASES = [  # (factory, mesh, cluster, per-device budget in MiB or None)
     ("examples/gpt.py:small", "2x2", "tests/fixtures/fastnet.json", None),
     ("examples/mlp.py:wide", "4", "dgx-a100", None),
     # tight budgets without recomputation: parameters sharded at ZeRO stages 2 and 3
-    ("examples/gpt.py:small", "4", "dgx-a100", 1.6),
-    ("examples/gpt.py:small", "4", "tests/fixtures/fastnet.json", 1.7),
+    ("examples/gpt.py:small", "4", "dgx-a100", 1.3),
+    ("examples/gpt.py:small", "4", "tests/fixtures/fastnet.json", 1.3),
 ]
 
 
