@@ -23,11 +23,14 @@ The steps, in order:
    microbatch size on the whole microbatch graph; each layer's cost is the sum
    over its nodes of compute (forward, backward) and activation resharding,
    its gradient synchronisation (once per step), its parameter, gradient and
-   optimizer bytes and saved activations (graph_costs.memory_breakdown). This
-   is an approximation: the ILP does not know where the cuts fall (at a cut
-   the tensor is made replicated, sent, and resharded on the other side,
-   which ``Cut`` prices) and it weighs gradient synchronisation once per
-   microbatch. When the planner factors the world, a model with many
+   optimizer bytes and saved activations (graph_costs.memory_breakdown). A
+   tensor crossing a cut travels in its producer's placement, each rank
+   sending its shard to its peer (``cut_placements``), so the edges around a
+   cut cost what the ILP priced; a Partial sum is reduced before it is sent
+   (``Cut``). The ILP does not know where the cuts fall, and it weighs
+   gradient synchronisation once per microbatch; the runtime reduces
+   replicated parameters' gradients once per step (``once_per_step``), and
+   the stage pricing counts them so. When the planner factors the world, a model with many
    identical layers is priced on a copy truncated to two of them (checked
    against a three-layer copy) and their costs are reused for every layer.
 3. **Stages** (``partition``). A dynamic program over contiguous layer ranges

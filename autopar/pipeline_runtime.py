@@ -6,8 +6,10 @@ inputs it reads, and one placeholder per tensor crossing into it. autopar's
 SPMD codegen (autopar/codegen.py ``build_program``) turns the slice into a
 per-rank program on the stage's submesh (the mesh axes other than pp), with the
 plan's intra-stage placements; what crosses to the next stage leaves the
-program replicated over the submesh and every submesh rank sends it to its
-peer at the same submesh coordinate of the next stage.
+program in its producer's placement (a Partial sum reduced first,
+``pipeline.cut_placements``) and every submesh rank sends its shard to its
+peer at the same submesh coordinate of the next stage, which receives it in
+the same placement.
 
 ``PipelinedModule`` keeps the user's training loop:
 
