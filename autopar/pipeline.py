@@ -255,6 +255,11 @@ class LayerCost:
     """Gradients (also what data parallelism outside the submesh all-reduces)."""
     optimizer_bytes: float = 0.0
     """Optimizer states (and fp32 master weights under mixed precision)."""
+    sharded_optimizer_bytes: float = 0.0
+    """The same in a pipeline, where the optimizer states of a parameter are
+    sharded over a submesh axis it is replicated on (``zero1_axis``)."""
+    updated_bytes: float = 0.0
+    """Bytes of the parameter shards this device's optimizer updates in a pipeline."""
     act_bytes: float = 0.0
     """Activations saved for backward, and resharded copies kept for it."""
     transient_bytes: float = 0.0
@@ -370,6 +375,19 @@ def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision
     return chosen, strategies, solution, ctx, fallbacks
 
 
+def zero1_axis(spec: tuple, mesh_shape: tuple) -> int | None:
+    """The submesh axis a pipeline shards a parameter's optimizer states over:
+    the first one of size > 1 it is replicated on (ZeRO stage 1, Megatron-LM's
+    distributed optimizer), or None. Its gradient is reduce-scattered there
+    once per step, each rank updates its shard, and the shards are
+    all-gathered before the next step: the bytes of the all-reduce, with the
+    optimizer states and their update divided by the axis size."""
+    for axis, (p, n) in enumerate(zip(spec, mesh_shape)):
+        if isinstance(p, Replicate) and n > 1:
+            return axis
+    return None
+
+
 def once_per_step(src: Node, spec: tuple, move) -> bool:
     """Whether a backward move on a parameter's edge runs once per step rather
     than once per microbatch: the reduction of a gradient over an axis the
@@ -398,6 +416,11 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
         lc.optimizer_bytes += parts.get("optimizer", 0.0)
+        if node.kind is NodeKind.PARAM:
+            axis = zero1_axis(s.output, ms)
+            k = ms[axis] if axis is not None else 1
+            lc.sharded_optimizer_bytes += parts.get("optimizer", 0.0) / k
+            lc.updated_bytes += parts.get("parameters", 0.0) / k
         lc.act_bytes += parts.get("activations", 0.0)
         lc.transient_bytes = max(lc.transient_bytes, backward_working_set(graph, node, s, ctx, grad))
         if node.kind is NodeKind.OP and node.info is not None:
@@ -655,18 +678,25 @@ def _in_flight(schedule: Schedule, p: int, m: int, v: int, rank: int) -> float:
     return held
 
 
-def _layer_arrays(prof: Profile, recompute: bool):
+def _layer_arrays(prof: Profile, recompute: bool, pipelined: bool, dp: int = 1):
     """Per layer: time per microbatch, state bytes, activation bytes kept per
-    microbatch in flight, and its working set in backward (its activations
-    again when recomputed, plus its largest gradient working set)."""
+    microbatch in flight, its working set in backward (its activations again
+    when recomputed, plus its largest gradient working set), and the bytes of
+    parameters its devices update. In a pipeline, optimizer states are
+    sharded over the submesh (``zero1_axis``) and over ``dp`` replicas."""
     L, C = prof.layers, prof.cuts
     rc = [recompute and lc.recomputable for lc in L]
     t = np.array([lc.time_s + (lc.fwd_s if r else 0.0) for lc, r in zip(L, rc)])
-    state = np.array([lc.param_bytes + lc.optimizer_bytes for lc in L])
+    if pipelined:
+        state = np.array([lc.param_bytes + lc.sharded_optimizer_bytes / dp for lc in L])
+        updated = np.array([lc.updated_bytes / dp for lc in L])
+    else:
+        state = np.array([lc.param_bytes + lc.optimizer_bytes for lc in L])
+        updated = np.array([lc.param_bytes for lc in L])
     grads = np.array([lc.grad_bytes for lc in L])
     kept = np.array([(C[i].held_bytes if i > 0 else 0.0) if r else lc.act_bytes for i, (lc, r) in enumerate(zip(L, rc))])
     work = np.array([(lc.act_bytes if r else 0.0) + lc.transient_bytes for lc, r in zip(L, rc)])
-    return t, state, grads, kept, work
+    return t, state, grads, kept, work, updated
 
 
 def _step_temp(prof: Profile, param_bytes: float) -> float:
@@ -683,7 +713,7 @@ def _device_memory(state, grads, acts, temp, p: int) -> float:
 
 
 def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool,
-              budget: float) -> list | None:
+              budget: float, dp: int = 1) -> list | None:
     """Contiguous layer ranges for ``chunks`` chunks minimising the slowest
     chunk's time per microbatch, each chunk inside its share of the memory
     budget (budget / v: a device holds v chunks); None if none fits."""
@@ -691,9 +721,8 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     if chunks > n:
         return None
     C = prof.cuts
-    t, state, grads, kept, work = _layer_arrays(prof, recompute)
-    params = np.array([lc.param_bytes for lc in prof.layers])
-    pt, ps, pg, pk, pp_ = (np.concatenate([[0.0], np.cumsum(x)]) for x in (t, state, grads, kept, params))
+    t, state, grads, kept, work, updated = _layer_arrays(prof, recompute, p > 1, dp)
+    pt, ps, pg, pk, pp_ = (np.concatenate([[0.0], np.cumsum(x)]) for x in (t, state, grads, kept, updated))
     p2p_in = np.array([C[i].p2p_fwd_s if 0 < i < n else 0.0 for i in range(n + 1)])
     out = np.array([C[j].p2p_bwd_s + C[j].to_cut_s if 0 < j < n else 0.0 for j in range(n + 1)])
     i_idx = np.arange(n + 1)[:, None]
@@ -734,6 +763,31 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     return list(reversed(ranges))
 
 
+def even_ranges(prof: Profile, chunks: int, recompute: bool) -> list | None:
+    """Contiguous ranges of about equal time (cuts at the quantiles of the
+    cumulative time per microbatch, on allowed cuts): with v chunks per device
+    in an interleaved schedule, a device's time is the sum of its chunks, which
+    ``partition``'s min-max over chunks leaves unbalanced when one layer (an
+    LM head) is heavy. None if the layers cannot be cut that many times."""
+    n = len(prof.layers)
+    if chunks > n:
+        return None
+    t = _layer_arrays(prof, recompute, True)[0]
+    cum = np.concatenate([[0.0], np.cumsum(t)])
+    allowed = [c for c in range(1, n) if c not in prof.forbidden]
+    cuts, last = [], 0
+    for k in range(1, chunks):
+        left = chunks - k  # cuts still to place after this one, each needing a later allowed position
+        options = [c for c in allowed if c > last and sum(1 for a in allowed if a > c) >= left - 1]
+        if not options:
+            return None
+        target = cum[-1] * k / chunks
+        last = min(options, key=lambda c: (abs(cum[c] - target), c))
+        cuts.append(last)
+    bounds = [0, *cuts, n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool, budget: float,
              dp: int = 1, dp_link=None, ranges: list | None = None) -> Candidate | None:
     """Partition (unless ``ranges`` is given) and price one configuration; None
@@ -741,16 +795,20 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
     schedule = Schedule(schedule)
     chunks = p * v
     if ranges is None:
-        ranges = partition(prof, chunks, p=p, m=m, schedule=schedule, v=v, recompute=recompute, budget=budget)
-        if ranges is None:
-            return None
+        options = [partition(prof, chunks, p=p, m=m, schedule=schedule, v=v, recompute=recompute, budget=budget,
+                             dp=dp)]
+        if v > 1:  # a device runs v chunks: balance their sums, not only the slowest chunk
+            options.append(even_ranges(prof, chunks, recompute))
+        found = [evaluate(prof, p=p, m=m, schedule=schedule, v=v, recompute=recompute, budget=budget, dp=dp,
+                          dp_link=dp_link, ranges=r) for r in options if r is not None]
+        return _best(found)
     L, C = prof.layers, prof.cuts
     n = len(L)
-    t, state, grads, kept, work = _layer_arrays(prof, recompute)
+    t, state, grads, kept, work, updated = _layer_arrays(prof, recompute, p > 1, dp)
     params = np.array([lc.param_bytes for lc in L])
     compute_of = np.array([lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute and lc.recomputable else 0.0) for lc in L])
     chunk_time = []
-    dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, acts=0.0, work=0.0, sync=0.0)
+    dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, updated=0.0, acts=0.0, work=0.0, sync=0.0)
            for _ in range(p)]
     for c, (i, j) in enumerate(ranges):
         r = c % p
@@ -762,6 +820,7 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
         d["state"] += float(state[i:j].sum())
         d["grads"] += float(grads[i:j].sum())
         d["params"] += float(params[i:j].sum())
+        d["updated"] += float(updated[i:j].sum())
         d["acts"] += _in_flight(schedule, p, m, v, r) * float(kept[i:j].sum())
         d["work"] = max(d["work"], float(work[i:j].max()))
         d["sync"] += sum(lc.sync_s for lc in L[i:j])
@@ -770,7 +829,7 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
         if dp > 1 and dp_link is not None:
             d["sync"] += collective_time(Collective.ALL_REDUCE, d["grads"], dp_link)
         acts = d["acts"] + d["work"]
-        temp = _step_temp(prof, d["params"])
+        temp = _step_temp(prof, d["updated"])
         memory.append(float(_device_memory(d["state"], d["grads"], acts, temp, p)))
         parts.append({"parameters": d["params"], "gradients": d["grads"], "optimizer": d["state"] - d["params"],
                       "activations": acts, "inputs": 0.0, "optimizer_step": temp})
@@ -1150,6 +1209,7 @@ def _pipeline_section(cand: Candidate, stages: list) -> dict:
     return {"schedule": cand.schedule.value, "microbatches": cand.microbatches,
             "virtual_stages": cand.virtual_stages, "axis": PP_AXIS,
             "recompute": "full" if cand.recompute else "none", "microbatch_size": cand.microbatch,
+            "optimizer_sharding": "zero-1",  # over a submesh axis each parameter is replicated on (zero1_axis)
             "bubble_fraction": bubble_fraction(cand.schedule, cand.stages, cand.microbatches, cand.virtual_stages),
             "stages": stages}
 

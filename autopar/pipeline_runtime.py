@@ -18,7 +18,11 @@ the same placement.
   (broadcast from the last stage); ``loss.backward()`` afterwards is a no-op
   kept so that the usual loop reads the same;
 * ``pmodel.parameters()`` are this rank's shards of its stage's parameters, so
-  a plain AdamW updates them; gradients equal single-device full-batch
+  a plain AdamW updates them; a parameter replicated over a submesh axis is
+  exposed as a flat 1/n shard of it (ZeRO stage 1, ``_Zero1``: its gradient
+  is reduce-scattered once per step and the updated shards are all-gathered
+  at the start of the next step), so the optimizer states are sharded too;
+  gradients equal single-device full-batch
   training: each microbatch's mean loss is divided by m (``scale_grads`` of
   the torch schedules is off), which is exact for a loss that averages over
   the batch, as torch's losses do by default. Gradients of parameters
@@ -56,7 +60,9 @@ from autopar.codegen import build_program, load_program, program_source
 from autopar.errors import AutoparError, LaunchError, PlanError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
-from autopar.pipeline import PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, stage_ranges
+from autopar.pipeline import (
+    PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, stage_ranges, zero1_axis,
+)
 from autopar.plan import NodePlan, Plan
 from autopar.runtime import in_torchrun, load_factory, relative_error, shard_of, torchrun_command
 from autopar.verify import finish
@@ -354,7 +360,14 @@ class PipelinedModule(nn.Module):
                 shard = shard_of(full[fqn].detach().to(device), self._placements[fqn], self._inner)
                 local[fqn] = nn.Parameter(shard, requires_grad=full[fqn].requires_grad)
         self._local_fqns = list(local)
-        tree = _ParamTree(local)  # registered here so that names stay the originals
+        # ZeRO-1: the optimizer updates a shard of each parameter replicated over a submesh axis
+        self._zero1 = {}
+        for fqn, prm in local.items():
+            axis = zero1_axis(self._placements[fqn], tuple(self._inner.shape))
+            if axis is not None and prm.requires_grad:
+                self._zero1[fqn] = _Zero1(prm, self._inner, axis)
+        exposed = {fqn: self._zero1[fqn].shard if fqn in self._zero1 else prm for fqn, prm in local.items()}
+        tree = _ParamTree(exposed)  # registered here so that names stay the originals
         for name, child in tree.named_children():
             self.add_module(name, child)
         for name, prm in tree.named_parameters(recurse=False):
@@ -395,6 +408,7 @@ class PipelinedModule(nn.Module):
                 raise AutoparError(f"input {i} has shape {list(x.shape)}; the plan was compiled for {shape} "
                                    f"({self._m} microbatches of {shape[0] // self._m}); pass the full global batch")
         kwargs = {f"input_{i}": x.to(self._device) for i, x in enumerate(inputs)}
+        self._refresh()
         losses: list = []
         # The loss is computed inside the last stage's program; the schedule's
         # target only has to split into m pieces.
@@ -403,7 +417,8 @@ class PipelinedModule(nn.Module):
         if training:
             with self._accumulation.collecting():
                 self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
-            self.deferred_reductions = self._accumulation.reduce(self._inner)
+            scatter = {z.full: z for z in self._zero1.values()}
+            self.deferred_reductions = self._accumulation.reduce(self._inner, scatter)
         else:
             self._schedule.eval(target=target, losses=losses, return_outputs=False, **kwargs)
         value = torch.zeros((), device=self._device)
@@ -432,7 +447,13 @@ class PipelinedModule(nn.Module):
             out[fqn] = buf
         return out
 
+    def _refresh(self) -> None:
+        """Gather the ZeRO-1 shards the optimizer updated into the stage's parameters (collective)."""
+        for z in self._zero1.values():
+            z.gather()
+
     def state_dict(self, *args, **kwargs):
+        self._refresh()
         full = self._gather({fqn: p for fqn, p in self._local.items()})
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         sd = {}
@@ -442,7 +463,9 @@ class PipelinedModule(nn.Module):
 
     def full_gradients(self) -> dict:
         """Every parameter's full gradient, on every rank (for checks; collective)."""
-        return self._gather({fqn: p.grad for fqn, p in self._local.items() if p.grad is not None})
+        grads = {fqn: p.grad for fqn, p in self._local.items() if p.grad is not None}
+        grads.update({fqn: z.full_grad() for fqn, z in self._zero1.items() if z.shard.grad is not None})
+        return self._gather(grads)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         missing = [k for k in self._order if k not in state_dict]
@@ -453,10 +476,61 @@ class PipelinedModule(nn.Module):
             for fqn, prm in self._local.items():
                 if fqn in state_dict:
                     prm.copy_(shard_of(state_dict[fqn].to(self._device), self._placements[fqn], self._inner))
+                    if fqn in self._zero1:
+                        self._zero1[fqn].load()
             for key, buf in self._buffers_full.items():
                 if key in state_dict:
                     buf.copy_(state_dict[key])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+class _Zero1:
+    """ZeRO stage 1 for one parameter of a pipeline stage, replicated over
+    mesh ``axis``: the optimizer updates ``shard``, this rank's 1/n of the
+    flattened parameter (padded to a multiple of n). After the microbatches,
+    the accumulated gradient is reduce-scattered over the axis into
+    ``shard.grad``; before the next step the shards are all-gathered into the
+    parameter the stage program uses (``pipeline.zero1_axis``)."""
+
+    def __init__(self, full: nn.Parameter, mesh, axis: int):
+        self.full, self.axis = full, axis
+        self.group = mesh.get_group(axis)
+        self.n = mesh.size(axis)
+        self.index = mesh.get_local_rank(axis)
+        self.size = -(-full.numel() // self.n)
+        self.shard = nn.Parameter(torch.zeros(self.size, dtype=full.dtype, device=full.device))
+        self.load()
+
+    def load(self) -> None:
+        """Take this rank's piece of ``full`` (after it was written)."""
+        piece = self.full.detach().reshape(-1)[self.index * self.size:(self.index + 1) * self.size]
+        with torch.no_grad():
+            self.shard.zero_()
+            self.shard[:piece.numel()].copy_(piece)
+
+    def _padded(self, t: torch.Tensor) -> torch.Tensor:
+        flat = torch.zeros(self.size * self.n, dtype=t.dtype, device=t.device)
+        flat[:t.numel()].copy_(t.reshape(-1))
+        return flat
+
+    def reduce(self) -> None:
+        grad = self.full.grad
+        out = torch.empty(self.size, dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, self._padded(grad), group=self.group)
+        self.shard.grad = out if self.shard.grad is None else self.shard.grad + out
+        self.full.grad = None
+
+    def gather(self) -> None:
+        flat = torch.empty(self.size * self.n, dtype=self.shard.dtype, device=self.shard.device)
+        dist.all_gather_into_tensor(flat, self.shard.detach(), group=self.group)
+        with torch.no_grad():
+            self.full.copy_(flat[:self.full.numel()].view_as(self.full))
+
+    def full_grad(self) -> torch.Tensor:
+        """The reduced gradient of the whole local parameter (collective; for checks)."""
+        flat = torch.empty(self.size * self.n, dtype=self.shard.grad.dtype, device=self.shard.grad.device)
+        dist.all_gather_into_tensor(flat, self.shard.grad.detach(), group=self.group)
+        return flat[:self.full.numel()].view_as(self.full)
 
 
 class _MicrobatchLoss:
@@ -547,7 +621,7 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
     report["plan"] = {"schedule": pipe["schedule"], "microbatches": pipe["microbatches"],
                       "recompute": plan.recompute, "programs": {c: src.count("checkpoint")
                                                                  for c, src in pmodel.programs.items()},
-                      "virtual_stages": pipe["virtual_stages"],
+                      "virtual_stages": pipe["virtual_stages"], "optimizer_sharding": pipe.get("optimizer_sharding"),
                       "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
                       "send_recv": plan.count(kind="send_recv"),
                       "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh) if plan.mesh.ndim > 1 else "R"
@@ -555,6 +629,7 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()}}
     report["local_parameters"] = sorted(pmodel._local_fqns)
     report["deferred_reductions"] = pmodel.deferred_reductions
+    report["zero1_parameters"] = sorted(pmodel._zero1)
     return report
 
 

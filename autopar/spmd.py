@@ -99,15 +99,23 @@ class GradAccumulation:
         finally:
             _state.accumulation = prev
 
-    def reduce(self, mesh) -> int:
+    def reduce(self, mesh, scatter: dict | None = None) -> int:
         """All-reduce every accumulated gradient over its deferred axes of
-        ``mesh`` (a DeviceMesh); returns how many all-reduces ran."""
+        ``mesh`` (a DeviceMesh), except that a parameter in ``scatter`` (its
+        optimizer state sharded over one axis: an object with ``axis`` and
+        ``reduce()``) is reduce-scattered over that axis; returns how many
+        collectives ran."""
         count = 0
         for prm, axes in self.pending.items():
             if prm.grad is None:
                 continue
+            own = (scatter or {}).get(prm)
             for a in axes:
-                torch.distributed.all_reduce(prm.grad, group=mesh.get_group(a))
+                if own is None or a != own.axis:
+                    torch.distributed.all_reduce(prm.grad, group=mesh.get_group(a))
+                    count += 1
+            if own is not None:
+                own.reduce()
                 count += 1
         self.pending.clear()
         return count
