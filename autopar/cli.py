@@ -21,7 +21,8 @@ def _compile(args) -> int:
                         optimizer=args.optimizer, precision=args.precision, recompute=args.recompute,
                         opt_level=args.opt_level, time_limit_s=args.time_limit, relative_gap=args.gap,
                         solver=args.solver, source=args.source, deterministic=args.deterministic,
-                        pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule)
+                        pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule,
+                        cache=args.cache)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     plan.save(args.output)
     if args.coverage:
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave wall-clock times out of plan.json (byte-identical for equal inputs)")
     c.add_argument("--solver", default="HIGHS", choices=["HIGHS", "SCIP", "CBC", "CP_SAT"])
     c.add_argument("--coverage", action="store_true", help="list ops that fell back to replication")
+    c.add_argument("--cache", metavar="DIR",
+                   help="reuse plans solved before for the same model, mesh, cluster and options (stored in DIR)")
     c.add_argument("-q", "--quiet", action="store_true", help="do not print the plan summary")
     c.add_argument("-o", "--output", default="plan.json")
     c.set_defaults(fn=_compile)

@@ -36,7 +36,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             source: str | None = None, parameter_placements: dict | None = None,
             cluster_layers: bool | None = None, deterministic: bool = False,
             pipeline_stages: int | str | None = None, microbatches: int | None = None,
-            schedule: str | None = None) -> Plan:
+            schedule: str | None = None, cache: str | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
@@ -49,6 +49,8 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     tractable and tries partial recomputation too. ``parameter_placements``
     pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
     times out of the plan so that equal inputs give byte-identical plan.json.
+    ``cache``: a directory of solved plans (autopar/plancache.py); compiling
+    what was compiled before returns the stored plan without solving.
 
     Pipeline parallelism (autopar/pipeline.py): a mesh with a ``pp`` axis, or
     ``pipeline_stages=N``, pipelines with that many stages; ``pipeline_stages=
@@ -60,6 +62,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         from autopar.pipeline import compile_pipelined
         if parameter_placements:
             raise AutoparError("parameter_placements cannot be pinned in a pipelined plan")
+        if cache is not None:
+            warnings.warn("autopar: the plan cache holds plans without pipeline parallelism; this pipelined "
+                          "plan is solved again and not stored", stacklevel=2)
         return compile_pipelined(
             model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
             stages=None if pipeline_stages == "auto" else pipeline_stages, microbatches=microbatches,
@@ -70,6 +75,18 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         graph = capture(model, example_inputs, loss_fn)
+    if cache is not None:
+        from autopar import plancache
+        key = plancache.cache_key(graph.fingerprint(), mesh, cluster, dict(
+            memory=memory, optimizer=optimizer, precision=precision, recompute=recompute, opt_level=opt_level,
+            time_limit_s=time_limit_s, relative_gap=relative_gap, solver=solver, source=source,
+            parameter_placements=parameter_placements, cluster_layers=cluster_layers,
+            deterministic=deterministic))
+        hit = plancache.load(cache, key)
+        if hit is not None:
+            if not deterministic:
+                hit.solver["cache"] = "hit"
+            return hit
     with phases("strategies"):
         strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
         notes = _divisibility_warnings(graph, strategies, mesh)
@@ -106,6 +123,10 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         plan.solver["wall_s"] = None
     else:
         plan.solver["timings"] = phases.seconds
+    if cache is not None:
+        plancache.store(cache, key, plan)
+        if not deterministic:
+            plan.solver["cache"] = "miss"
     return plan
 
 

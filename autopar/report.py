@@ -125,6 +125,8 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
 
     sv = plan.solver
     wall = f", {sv['wall_s']:.2f} s" if sv.get("wall_s") is not None else ""
+    if sv.get("cache") == "hit":
+        wall += " (when it was solved; this time from the plan cache)"
     con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {fmt_s(sv['objective'])}, "
               f"{sv['variables']} variables, {sv['constraints']} constraints{wall}")
     if plan.recompute.get("layers"):

@@ -184,3 +184,35 @@ def test_tied_weights_get_one_placement():
     model, inputs, loss = small()
     plan = autopar.compile(model, inputs, mesh=(2, 2), cluster="tests/fixtures/fastnet.json", loss_fn=loss)
     assert plan.parameters["tok.weight"]["placements"] == plan.parameters["head.weight"]["placements"]
+
+
+def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeypatch, caplog):
+    import json
+
+    import autopar.compiler
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=256, d_in=64, d_out=64)
+    cache = str(tmp_path / "plans")
+    first = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
+    assert first.solver["cache"] == "miss"
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("a cached plan was solved again")
+
+    monkeypatch.setattr(autopar.compiler, "_solve_with_recompute", no_solve)
+    again = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
+    assert again.solver.pop("cache") == "hit" and first.solver.pop("cache") == "miss"
+    assert again.dumps() == first.dumps()
+    # anything the plan depends on changes the key: another option is solved
+    with pytest.raises(AssertionError, match="solved again"):
+        autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache, precision="bf16")
+    with pytest.raises(AssertionError, match="solved again"):
+        autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss, cache=cache)
+    # a corrupt entry is a miss, with a warning (and is replaced)
+    monkeypatch.undo()
+    (entry,) = (tmp_path / "plans").glob("*.json")
+    entry.write_text("{not json")
+    with caplog.at_level("WARNING", logger="autopar"):
+        replaced = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
+    assert replaced.solver["cache"] == "miss" and "unreadable" in caplog.text
+    assert autopar.Plan.from_json(json.loads(entry.read_text())).nodes == first.nodes
