@@ -129,6 +129,8 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
         wall += " (when it was solved; this time from the plan cache)"
     con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {fmt_s(sv['objective'])}, "
               f"{sv['variables']} variables, {sv['constraints']} constraints{wall}")
+    for what, count in (sv.get("pruned") or {}).items():
+        con.print(f"pruned before solving: {count} {what}")
     if plan.recompute.get("layers"):
         layers = plan.recompute["layers"]
         con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")

@@ -267,6 +267,19 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     most = max(sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values())
                + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs) + largest_transient,
                sum(max(late.get(v, 0.0) for v in vs) for vs in x.values()))
+    # Dominated choices, fixed off before solving: where memory cannot bind, a
+    # regathered (ZeRO-3) parameter costs what its stage-2 twin costs plus one
+    # more all-gather in backward, and saves only memory.
+    pruned = {}
+    if memory_budget is None or most <= memory_budget:
+        count_off = 0
+        for name, vs in x.items():
+            for i, st in enumerate(strategies[name]):
+                if st.regather and not (pinned and pinned.get(name) == i):
+                    vs[i].SetUb(0)
+                    count_off += 1
+        if count_off:
+            pruned["regather (ZeRO-3) choices: memory cannot bind"] = count_off
     budget_rows = []
     if memory_budget is not None:
         # in MiB so that the rows are well scaled next to the objective
@@ -340,7 +353,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     choice = {name: chosen[rep[name]] for name in graph.nodes}
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
-                     "memory_never_binds": memory_budget is None or most <= memory_budget,
+                     "memory_never_binds": memory_budget is None or most <= memory_budget, "pruned": pruned,
                      "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
 
 

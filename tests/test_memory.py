@@ -105,6 +105,18 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     assert plan.predicted["peak_memory_bytes"] <= need * 1.001
 
 
+def test_regather_choices_are_pruned_only_where_memory_cannot_bind():
+    """Without a binding budget a ZeRO-3 choice costs its ZeRO-2 twin's time
+    plus an all-gather: the solver fixes those off before solving and the plan
+    says how many; under a tight budget they stay in play."""
+    model, inputs, loss, cluster = parameter_heavy()
+    free = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=1e12)
+    (count,) = free.solver["pruned"].values()
+    assert count > 0 and not any(p["regather"] for p in free.parameters.values())
+    tight = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=100e6)
+    assert tight.solver["pruned"] == {} and any(p["regather"] for p in tight.parameters.values())
+
+
 def test_zero_3_trades_communication_for_memory():
     """The same parameter sharded: regathering in backward (ZeRO-3) holds no
     full copy until backward and pays one more all-gather (phase recompute)."""
