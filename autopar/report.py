@@ -116,7 +116,9 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
         stages = Table(title=f"pipeline: {len(pl['stages'])} stages, schedule {pl['schedule']}, "
                              f"{pl['microbatches']} microbatches"
                              + (f", {pl['virtual_stages']} virtual stages" if pl.get("virtual_stages", 1) > 1 else "")
-                             + f", bubble {pl.get('bubble_fraction', 0.0):.1%}", title_justify="left")
+                             + f", bubble {pl.get('bubble_fraction', 0.0):.1%}"
+                             + (", ZeRO-1 optimizer states"
+                                if pl.get("optimizer_sharding") == "zero-1" else ""), title_justify="left")
         for col in ("stage", "layers", "devices", "submesh", "time", "memory"):
             stages.add_column(col)
         for index, layers, devices, submesh, seconds, memory in stage_rows(plan):

@@ -145,7 +145,7 @@ def test_cli_pipelined_plan_codegen_and_run(tmp_path):
     out = run("compile", "examples/gpt.py:small", "--mesh", "pp=2,tp=2", "--cluster",
               "tests/fixtures/fastnet.json", "--microbatches", "4", "--schedule", "1f1b", "-o", str(plan))
     assert out.returncode == 0, out.stderr
-    assert "pipeline: 2 stages, schedule 1f1b, 4 microbatches" in out.stdout
+    assert "pipeline: 2 stages, schedule 1f1b, 4 microbatches" in out.stdout and "ZeRO-1" in out.stdout
     gen = run("codegen", str(plan), "-o", str(tmp_path / "prog"))
     assert gen.returncode == 0, gen.stderr
     assert (tmp_path / "prog" / "stage_0.py").exists() and (tmp_path / "prog" / "stage_1.py").exists()
