@@ -292,3 +292,12 @@ def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
     assert r["zero1_parameters"] and r["plan"]["optimizer_sharding"] == "zero-1"
     by_rank = r["local_parameters_by_rank"]
     assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3] and not set(by_rank[0]) & set(by_rank[2])
+
+
+def test_pipeline_times_data_times_tensor_parallel_on_eight_ranks(tmp_path):
+    """pp=2 x dp=2 x tp=2: each stage runs the intra-stage plan on a 2x2
+    submesh; what crosses the cut is sent as shards, each rank to its peer."""
+    (r,) = _check(tmp_path, 8, "pp=2,dp=2,tp=2", ["examples/gpt.py:small"], "1f1b")
+    assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert r["plan"]["sent"] and all("S(" in spec for spec in r["plan"]["sent"].values()), r["plan"]
+    assert r["deferred_reductions"] > 0 and r["zero1_parameters"]
