@@ -774,16 +774,17 @@ def even_ranges(prof: Profile, chunks: int, recompute: bool) -> list | None:
         return None
     t = _layer_arrays(prof, recompute, True)[0]
     cum = np.concatenate([[0.0], np.cumsum(t)])
-    allowed = [c for c in range(1, n) if c not in prof.forbidden]
-    cuts, last = [], 0
+    allowed = [c for c in range(1, n) if c not in prof.forbidden]  # increasing
+    cuts, first = [], 0  # first: index in ``allowed`` of the earliest position the next cut may take
     for k in range(1, chunks):
-        left = chunks - k  # cuts still to place after this one, each needing a later allowed position
-        options = [c for c in allowed if c > last and sum(1 for a in allowed if a > c) >= left - 1]
+        # leave an allowed position after this cut for each of the chunks - k - 1 cuts still to place
+        options = range(first, len(allowed) - (chunks - k - 1))
         if not options:
             return None
         target = cum[-1] * k / chunks
-        last = min(options, key=lambda c: (abs(cum[c] - target), c))
-        cuts.append(last)
+        i = min(options, key=lambda j: (abs(cum[allowed[j]] - target), j))
+        cuts.append(allowed[i])
+        first = i + 1
     bounds = [0, *cuts, n]
     return list(zip(bounds[:-1], bounds[1:]))
 

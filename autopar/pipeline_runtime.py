@@ -170,7 +170,7 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
         return replicated if synthetic else inner_spec(spec, plan.mesh)
 
     def crossing(name: str) -> str:
-        return replicated if synthetic else cut_spec(by_name[name].output_spec, plan.mesh)
+        return cut_spec(by_name[name].output_spec, plan.mesh)
 
     nodes, inputs = [], []
     shapes = {i["name"]: i for i in plan.inputs}
@@ -198,7 +198,10 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
 
 
 def cut_spec(spec: str, mesh: Mesh) -> str:
-    """A crossing tensor's placements on the stage submesh (``pipeline.cut_placements``)."""
+    """A crossing tensor's placements on the stage submesh (``pipeline.cut_placements``);
+    "R" on the one-device submesh of a pp-only mesh."""
+    if mesh.ndim == 1:
+        return "R"
     inner = inner_spec(spec, mesh)
     return fmt_spec(cut_placements(parse_spec(inner, mesh.ndim - 1)))
 
@@ -393,8 +396,7 @@ class PipelinedModule(nn.Module):
 
     def _shard_example(self, meta, spec: str, device):
         """This rank's shard of a crossing tensor (its shape is what the stages exchange)."""
-        placements = parse_spec(cut_spec(spec, self.plan.mesh), self._inner.ndim) \
-            if self.plan.mesh.ndim > 1 else (Replicate(),)
+        placements = parse_spec(cut_spec(spec, self.plan.mesh), self._inner.ndim)
         t = shard_of(torch.empty(meta.shape, dtype=meta.dtype, device=device), placements, self._inner)
         return t.contiguous().requires_grad_(meta.dtype.is_floating_point)
 
@@ -520,17 +522,19 @@ class _Zero1:
         self.shard.grad = out if self.shard.grad is None else self.shard.grad + out
         self.full.grad = None
 
+    def _unsharded(self, shard: torch.Tensor) -> torch.Tensor:
+        """The shards of all ranks on the axis, as a tensor shaped like ``full`` (collective)."""
+        flat = torch.empty(self.size * self.n, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(flat, shard.detach(), group=self.group)
+        return flat[:self.full.numel()].view_as(self.full)
+
     def gather(self) -> None:
-        flat = torch.empty(self.size * self.n, dtype=self.shard.dtype, device=self.shard.device)
-        dist.all_gather_into_tensor(flat, self.shard.detach(), group=self.group)
         with torch.no_grad():
-            self.full.copy_(flat[:self.full.numel()].view_as(self.full))
+            self.full.copy_(self._unsharded(self.shard))
 
     def full_grad(self) -> torch.Tensor:
         """The reduced gradient of the whole local parameter (collective; for checks)."""
-        flat = torch.empty(self.size * self.n, dtype=self.shard.grad.dtype, device=self.shard.grad.device)
-        dist.all_gather_into_tensor(flat, self.shard.grad.detach(), group=self.group)
-        return flat[:self.full.numel()].view_as(self.full)
+        return self._unsharded(self.shard.grad)
 
 
 class _MicrobatchLoss:
@@ -624,7 +628,7 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
                       "virtual_stages": pipe["virtual_stages"], "optimizer_sharding": pipe.get("optimizer_sharding"),
                       "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
                       "send_recv": plan.count(kind="send_recv"),
-                      "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh) if plan.mesh.ndim > 1 else "R"
+                      "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh)
                                for s in pipe["stages"] for n in s.get("sends", [])},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()}}
     report["local_parameters"] = sorted(pmodel._local_fqns)

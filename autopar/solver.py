@@ -382,12 +382,13 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
     a lower bound), and the biggest parts."""
     least = {}
     live_again = _first_instance(recomputed, graph)
+    kept_share = saved_outputs(graph)
     for node in graph.nodes.values():
         if node.name in recomputed and node.name not in live_again and node.kind is NodeKind.OP:
             least[node.name] = 0.0
             continue
-        kept = saved_outputs(graph).get(node.name, 0.0)
-        least[node.name] = min(node_memory(node, s, ctx, kept) for s in strategies[node.name])
+        least[node.name] = min(node_memory(node, s, ctx, kept_share.get(node.name, 0.0))
+                               for s in strategies[node.name])
     need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
     from autopar.report import fmt_bytes

@@ -32,14 +32,19 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def use_mesh(mesh):
-    """Run emitted code on ``mesh`` (a torch DeviceMesh)."""
-    prev = getattr(_state, "mesh", None)
-    _state.mesh = mesh
+def _scoped(name: str, value):
+    """Set ``_state.<name>`` for the duration of a ``with`` block (then restore it)."""
+    prev = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.mesh = prev
+        setattr(_state, name, prev)
+
+
+def use_mesh(mesh):
+    """Run emitted code on ``mesh`` (a torch DeviceMesh)."""
+    return _scoped("mesh", mesh)
 
 
 def _mesh():
@@ -90,14 +95,9 @@ class GradAccumulation:
     def __init__(self):
         self.pending: dict = {}  # parameter -> mesh axes its gradient is still a partial sum over
 
-    @contextlib.contextmanager
     def collecting(self):
-        prev = getattr(_state, "accumulation", None)
-        _state.accumulation = self
-        try:
-            yield
-        finally:
-            _state.accumulation = prev
+        """Defer the reductions of the parameters used inside this ``with`` block."""
+        return _scoped("accumulation", self)
 
     def reduce(self, mesh, scatter: dict | None = None) -> int:
         """All-reduce every accumulated gradient over its deferred axes of
@@ -351,13 +351,8 @@ def checkpoint(layer, *args):
     def run(*inputs):
         # the recomputation runs in backward, outside the forward's context;
         # a recomputed layer gathers its parameters again anyway (no _Regather)
-        outer = getattr(_state, "in_checkpoint", False)
-        _state.in_checkpoint = True
-        try:
-            with use_mesh(mesh):
-                return layer(*inputs)
-        finally:
-            _state.in_checkpoint = outer
+        with _scoped("in_checkpoint", True), use_mesh(mesh):
+            return layer(*inputs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
