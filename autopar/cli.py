@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype priced (bf16/fp16: mixed precision with fp32 master weights)")
     c.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-momentum"],
                    help="optimizer whose state is counted in memory")
-    c.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
+    c.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
     c.add_argument("-O", dest="opt_level", type=int, default=1, choices=[1, 2],
                    help="-O1: cluster repeated layers (seconds); -O2: wider search")
     c.add_argument("--pp", help="pipeline stages (a number), or 'auto' to let the planner decide")

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from autopar import spmd
 from autopar.capture import Graph, NodeKind
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.passes.rules.misc import FACTORIES
 from autopar.passes.strategy import local_shape, parse_spec
 from autopar.plan import Plan
@@ -80,6 +80,7 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.Gr
             emit.node(sub, sub_env, emit.fx_nodes[n])
         sub.output(tuple(sub_env[o] for o in outputs))
         name = f"recompute_{_slug(regions_label(graph, names))}"
+        name = name if not hasattr(root, name) else f"{name}_{i}"
         setattr(root, name, fx.GraphModule(torch.nn.Module(), sub, class_name=f"Recompute_{i}"))
         call = main.call_function(spmd.checkpoint, (main.get_attr(name), *[env[e] for e in externals]))
         call.name = f"{name}_out"
@@ -92,30 +93,18 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.Gr
 
 
 def regions_label(graph: Graph, names: list) -> str:
-    return graph.nodes[names[0]].fqn.split(".", 2)[0] + "_" + graph.nodes[names[0]].fqn.split(".")[1]
+    """"blocks_0" for a whole layer, "blocks_0_attn" for a region inside one:
+    the module path its ops share."""
+    return "_".join(os.path.commonprefix([graph.nodes[n].fqn.split(".") for n in names])) or "region"
 
 
 def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
-    """Node names of each recomputed layer, in program order (each must be contiguous)."""
-    from autopar.passes.cluster import layer_of, parse_layer
-    wanted = {parse_layer(p) for p in plan.recompute.get("layers", [])}
-    if not wanted:
-        return []
-    order = [n.name for n in graph.gm.graph.nodes]
-    regions: dict = {}
-    for name in order:
-        node = graph.nodes.get(name)
-        if node is not None and node.kind is NodeKind.OP and layer_of(node) in wanted:
-            regions.setdefault(layer_of(node), []).append(name)
-    out = []
-    position = {n: k for k, n in enumerate(order)}
-    for key, names in regions.items():
-        span = position[names[-1]] - position[names[0]] + 1
-        if span != len(names):
-            raise PlanError(f"layer {key[0]}.{key[1]} is not contiguous in the traced program; "
-                            "it cannot be recomputed as one region (compile with recompute='none')")
-        out.append(names)
-    return out
+    """Node names of each recomputed region, in program order (passes/recompute.py)."""
+    from autopar.passes.recompute import from_plan
+    try:
+        return [list(r) for r in from_plan(graph, plan.recompute).regions]
+    except AutoparError as e:
+        raise PlanError(f"the plan's recompute entry does not fit this model: {e}") from None
 
 
 class _Emitter:

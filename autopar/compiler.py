@@ -17,14 +17,16 @@ from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
-    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays, saved_outputs, saves_input,
+    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays, saves_input,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import layer_classes, layer_lists, nodes_of_layers, parse_layer
+from autopar.passes.cluster import layer_classes, layer_lists
 from autopar.passes.enumerate import enumerate_strategies
+from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
+from autopar.timeline import Timeline, first_consumers
 from autopar.solver import solve
 
 log = logging.getLogger("autopar")
@@ -44,7 +46,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     the device's memory). ``precision`` "bf16"/"fp16" prices mixed-precision
     training (compute-dtype activations and GEMMs, fp32 master weights); the
     emitted program computes in the model's own dtype. ``recompute``: "none",
-    "full" or "auto". ``opt_level`` 1 clusters repeated layers (one set of ILP
+    "selective", "full" or "auto" (passes/recompute.py). ``opt_level`` 1 clusters repeated layers (one set of ILP
     variables per layer class); 2 solves every node on its own where that is
     tractable and tries partial recomputation too. ``parameter_placements``
     pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
@@ -65,6 +67,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         if cache is not None:
             warnings.warn("autopar: the plan cache holds plans without pipeline parallelism; this pipelined "
                           "plan is solved again and not stored", stacklevel=2)
+        if recompute not in ("auto", "none", "full"):
+            raise AutoparError(f"recompute {recompute!r} is not offered in pipelined plans; valid there: "
+                               "'auto', 'none', 'full' (selective recomputation is planned without a pipeline)")
         return compile_pipelined(
             model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
             stages=None if pipeline_stages == "auto" else pipeline_stages, microbatches=microbatches,
@@ -102,19 +107,17 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     with phases("solve"):
         ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
         budget = memory if memory is not None else cluster.device.memory
-        solution, layers = _solve_with_recompute(
+        solution, rc = _solve_with_recompute(
             graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
             time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned)
     with phases("plan"):
         chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-        recomputed = nodes_of_layers(graph, {parse_layer(p) for p in layers})
-        plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, recomputed)
+        plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, rc)
     plan.fallbacks = [vars(f) for f in fallbacks]
     plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
                              for f in fallbacks]
-    every = sum(map(len, layer_lists(graph).values()))
-    plan.recompute = {"mode": "none" if not layers else ("full" if len(layers) == every else "partial"),
-                      "layers": layers,
+    plan.recompute = {"mode": rc.mode, "layers": rc.paths,
+                      **({"regions": [list(r) for r in rc.regions]} if rc.mode == "selective" else {}),
                       "candidates": solution.extra.pop("recompute_candidates")}
     plan.solver.update(opt_level=opt_level, clustered=bool(cluster_layers), relative_gap=relative_gap,
                        memory_budget_bytes=budget)
@@ -152,52 +155,64 @@ class _Phases:
         self.seconds[f"{name}_s"] = time.perf_counter() - t
 
 
-RECOMPUTE = ("auto", "none", "full")
+RECOMPUTE = ("auto", *MODES)
 
 
 def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, partial: bool = False,
-                          **options):
+                          **options) -> tuple:
     """Solve once per recomputation option and keep the fastest plan that fits.
 
-    Options: no recomputation, or full recomputation of every numbered layer
-    (Chen et al. 2016; Korthikanti et al. 2022 "full"); with ``partial`` also
-    the first half of each layer list. Returns the solution and the recomputed
-    layer paths."""
+    Options (passes/recompute.py): none; selective (in every numbered layer,
+    the pieces between parameter uses that free memory more cheaply than the
+    whole layer would, Korthikanti et al. 2022); full recomputation of every
+    layer (Chen et al. 2016); with ``partial`` also full recomputation of the
+    first half of each layer list. Returns the solution and its Recomputation."""
     if mode not in RECOMPUTE:
         raise AutoparError(f"recompute {mode!r} is not one of {RECOMPUTE}")
     lists = layer_lists(graph)
-    layers = {(lst, i) for lst, idx in lists.items() for i in idx}
     half = {(lst, i) for lst, idx in lists.items() for i in idx[: len(idx) // 2]}
-    auto = [set(), layers] + ([half] if partial and half and half != layers else [])
-    options_ = {"none": [set()], "full": [layers], "auto": auto if layers else [set()]}[mode]
+    wanted = ("none", "selective", "full") if mode == "auto" else (mode,)
+    choices = {m: recomputation(graph, m, ctx=ctx) for m in wanted}
+    if partial and mode == "auto" and half:
+        choices["partial"] = recomputation(graph, "partial", half, ctx=ctx)
+    seen, tried = set(), []
+    for name, rc in choices.items():  # an option that names the same regions as an earlier one is not solved twice
+        if rc.regions in seen:
+            continue
+        seen.add(rc.regions)
+        tried.append((name, rc))
     best, errors, candidates = None, [], []
-    for chosen in options_:
+    for k, (name, rc) in enumerate(tried):
+        label = _label(name, rc)
         try:
-            sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes,
-                        recomputed=nodes_of_layers(graph, chosen), **options)
+            sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes, recomputed=rc, **options)
         except InfeasibleError as e:
             errors.append(e)
-            candidates.append({"recompute": _label(chosen, layers), "status": "INFEASIBLE"})
+            candidates.append({"recompute": label, "status": "INFEASIBLE"})
             continue
         never_binds = sol.extra.pop("memory_never_binds", False)
-        candidates.append({"recompute": _label(chosen, layers), "status": sol.status,
+        candidates.append({"recompute": label, "status": sol.status,
                            "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})
         if best is None or sol.objective_s < best[0].objective_s:
-            best = (sol, chosen)
-        if not chosen and never_binds and mode == "auto":
+            best = (sol, rc)
+        if not rc.regions and never_binds and mode == "auto":
             # no plan can exceed the budget, so recomputation only adds time
-            candidates += [{"recompute": _label(c, layers), "status": "SKIPPED (memory never binds)"}
-                           for c in options_[1:]]
+            candidates += [{"recompute": _label(n, r), "status": "SKIPPED (memory never binds)"}
+                           for n, r in tried[k + 1:]]
             break
     if best is None:
         raise min(errors, key=lambda e: e.needed_bytes if e.needed_bytes is not None else float("inf"))
-    sol, chosen = best
+    sol, rc = best
     sol.extra["recompute_candidates"] = candidates
-    return sol, [f"{lst}.{i}" for lst, i in sorted(chosen)]
+    return sol, rc
 
 
-def _label(chosen: set, layers: set) -> str:
-    return "none" if not chosen else ("full" if chosen == layers else f"{len(chosen)} of {len(layers)} layers")
+def _label(name: str, rc) -> str:
+    if name == "partial":
+        return f"full in {len(rc.layers)} layers"
+    if name == "selective" and rc.regions:
+        return f"selective ({len(rc.regions)} regions in {len(rc.layers)} layers)"
+    return name
 
 
 def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None) -> dict:
@@ -239,11 +254,11 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
 
 
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
-               source: str | None, recomputed: set = frozenset()) -> Plan:
+               source: str | None, rc: Recomputation = NONE) -> Plan:
     grad = needs_grad(graph)
-    kept_share = saved_outputs(graph)
-    from autopar.solver import _first_instance
-    live_again = _first_instance(set(recomputed), graph)
+    kept_share = rc.kept_share(graph)
+    recomputed = rc.nodes
+    timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
     reshards = SharedReshards(len(mesh.shape))
@@ -259,10 +274,11 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         compute += f + b
         backward_s += b
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
-        memory["buffers"] = max(memory["buffers"], backward_working_set(graph, node, s, ctx, grad))
-        if node.name in recomputed and node.name not in live_again:
-            parts = {k: v for k, v in parts.items() if k != "activations"}
-        mem = sum(parts.values())
+        acts = parts.pop("activations", 0.0)  # memory["activations"]: from the timeline, below
+        timeline.activation(node.name, None, acts)
+        if node.kind is NodeKind.OP and node.name in grad:
+            timeline.working_set(node.name, {None: backward_working_set(graph, node, s, ctx, grad)})
+        mem = sum(parts.values()) + (0.0 if rc.drops(node.name) else acts)
         for k, v in parts.items():
             memory[k] += v
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
@@ -274,16 +290,17 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd
-            kept = node.name in grad and saves_input(node) and (node.name not in recomputed or node.name in live_again)
+            kept = node.name in grad and saves_input(node)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
             held = reshards.keeps(node, idx, src, s, backward, held)
             if not reshards.pays(node, idx, src, s, backward):
                 fwd, bwd = [], []  # the first consumer's reshard serves this one
-            memory["activations"] += held
-            nodes[-1].memory_bytes += held
+            timeline.copy(first_use[src], None, held)  # made at the producer's first use, as the ILP counts it
+            if not rc.drops(node.name):
+                nodes[-1].memory_bytes += held
             if graph.nodes[src].kind is NodeKind.PARAM:
-                memory["buffers"] = max(memory["buffers"],
-                                        gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))
+                param_ws[src] = max(param_ws.get(src, 0.0),
+                                    gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))
                 if gathers(fwd):
                     gathered.add(src)
             again = replayed if replays(regather, node.name in recomputed, node.name in grad) else []
@@ -298,6 +315,9 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                         "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
                         "gradient_sync": phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM,
                     })
+    for src, nbytes in param_ws.items():
+        timeline.working_set(first_use[src], {None: nbytes})
+    memory["activations"], memory["buffers"] = timeline.peak()
     params = {}
     for fqn, ph in graph.params.items():
         spec = chosen[ph].output
@@ -316,10 +336,9 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     # gradient sync under backward compute where the cluster overlaps them
     exposed_sync = max(0.0, sync_s - backward_s) if ctx.cluster.overlap_grad_sync else sync_s
     step = compute + comm - sync_s + exposed_sync
-    # Activations are at their most at the end of the forward, before any
-    # gradient exists, when the first gathered parameter's full gradient (and
-    # regathered copy) joins them; gradients build up in backward as
-    # activations are freed, and the optimizer step adds its temporaries.
+    # Activations: those alive at the op whose backward needs the most with
+    # its working set (autopar/timeline.py); gradients build up in backward
+    # as activations are freed, and the optimizer step adds its temporaries.
     step_temp = optimizer_step_bytes(memory["parameters"], ctx)
     optimizer_s = sum(optimizer_time(n, chosen[n.name], ctx) for n in graph.nodes.values())
     step += optimizer_s

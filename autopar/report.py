@@ -38,6 +38,8 @@ def layer_class(fqn: str) -> str:
 
 
 ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
+_VIEWS = {"view", "reshape", "transpose.int", "alias", "expand", "unsqueeze", "permute", "getitem"}
+"""Op names left out when a recomputed region's ops are listed."""
 """How each parameter is held (autopar.compiler.zero_stage)."""
 
 
@@ -134,7 +136,13 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     for what, count in (sv.get("pruned") or {}).items():
         con.print(f"pruned before solving: {count} {what}")
     if plan.recompute.get("layers"):
-        layers = plan.recompute["layers"]
-        con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")
+        layers, regions = plan.recompute["layers"], plan.recompute.get("regions")
+        if regions:  # selective: name the ops of one region
+            ops = {n.name: n.op for n in plan.nodes}
+            kinds = list(dict.fromkeys(ops[n] for n in regions[0] if ops.get(n) not in _VIEWS))
+            con.print(f"recomputed in backward (selective): {len(regions)} regions in {len(layers)} layers "
+                      f"({layers[0]} .. {layers[-1]}), e.g. {', '.join(kinds)}")
+        else:
+            con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")
     for w in plan.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")

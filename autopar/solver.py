@@ -27,9 +27,11 @@ from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, step_temporaries,
     node_compute, node_memory, optimizer_time,
-    param_transient, replays, reshard_key, saved_outputs, saves_input, seconds, shares_reshard,
+    param_transient, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
+from autopar.passes.recompute import NONE, Recomputation
+from autopar.timeline import Timeline, first_consumers
 
 US = 1e6  # objective unit: microseconds
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
@@ -63,17 +65,17 @@ class Solution:
 
 def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: float | None = None,
           time_limit_s: float = 60.0, pinned: dict | None = None, backend: str = "HIGHS",
-          relative_gap: float = 1e-4, classes: dict | None = None, recomputed: set | None = None,
+          relative_gap: float = 1e-4, classes: dict | None = None, recomputed: Recomputation = NONE,
           optimizer_step: bool = True) -> Solution:
     """``classes`` maps a node to the representative whose variables it shares
     (passes/cluster.py); its costs and memory add onto the representative's.
-    Nodes in ``recomputed`` keep no activations for backward and run their
-    forward twice; one such layer's activations are live during its backward.
+    The regions ``recomputed`` names keep only their inputs for backward and
+    run their forward twice; one layer's regions are live during its backward.
     ``optimizer_step`` False leaves the optimizer update out of the objective
     (a pipeline stage's graph is one microbatch; the update runs once a step)."""
     t0 = time.perf_counter()
     grad = needs_grad(graph)
-    kept_share = saved_outputs(graph)
+    kept_share = recomputed.kept_share(graph)
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
     rep = classes or {name: name for name in graph.nodes}
@@ -83,19 +85,21 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     n_axes = len(ctx.mesh_shape)
     objective: dict = {}  # variable -> coefficient
     # Peak memory = what is always held (parameters, optimizer state, inputs)
-    # + max(activations and backward transients, gradients and the optimizer
-    # step's temporaries): two rows, `mem` the first side, `late` the second.
-    mem: dict = {}
+    # + max(activations alive at some op's backward plus its working set
+    # (autopar/timeline.py), gradients and the optimizer step's temporaries).
+    # `always` and `late` are variable -> bytes; `mem` sums every byte any
+    # choice keeps, an upper bound used to tell when memory cannot bind.
+    always: dict = {}
     late: dict = {}
+    mem: dict = {}
+    timeline = Timeline(graph, recomputed)
 
     def add(table, var, c):
         if c:
             table[var] = table.get(var, 0.0) + c
 
     count = Counter(rep[name] for name in graph.nodes)
-    recomputed = recomputed or set()
-    # one recomputed layer is materialised again during its own backward
-    live_again = _first_instance(recomputed, graph)
+    redo = recomputed.nodes
     x = {}
     priced = {}
     for name in count:
@@ -121,55 +125,53 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     backward_us: dict = {}  # variable -> backward compute microseconds (with recomputation)
     for name in graph.nodes:
         r = rep[name]
-        again = name in recomputed
+        again = name in redo
         own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
-        for i, ((f, b), (early, later), opt) in enumerate(priced[r]):
+        for i, ((f, b), (kept_all, acts, later), opt) in enumerate(priced[r]):
             if own:
-                early, later = _sides(graph.nodes[name], strategies[r][i], ctx, kept_share.get(name, 0.0))
+                kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx, kept_share.get(name, 0.0))
             b += f if again else 0.0  # the forward runs again in backward
             add(objective, x[r][i], (f + b + opt) * US)
             add(backward_us, x[r][i], b * US if overlap else 0.0)
-            if graph.nodes[name].kind is NodeKind.OP and again:
-                early = early if name in live_again else 0.0
-            add(mem, x[r][i], early)
+            add(always, x[r][i], kept_all)
+            add(mem, x[r][i], kept_all + acts)
             add(late, x[r][i], later)
+            timeline.activation(name, x[r][i], acts)
 
-    # The largest backward transient counts once: T >= its bytes for every
-    # choice, a gathered parameter's full gradient (graph_costs.gather_transient;
-    # an upper bound: a tensor-parallel consumer of the shard gathers nothing)
-    # or an op's gradient working set (graph_costs.backward_working_set). Only
-    # under a budget: without one, memory is reported, not optimised.
-    biggest = model.NumVar(0.0, model.infinity(), "transient") if memory_budget is not None else None
+    # Working sets during backward: an op's gradients (graph_costs.
+    # backward_working_set) at the op, and a gathered parameter's full gradient
+    # (graph_costs.gather_transient; an upper bound: a tensor-parallel consumer
+    # of the shard gathers nothing) at its first consumer.
+    first_use = first_consumers(graph)
     largest_transient = 0.0
-    for name in count if biggest is not None else ():
-        node = graph.nodes[name]
+    for name in graph.nodes:
+        node, r = graph.nodes[name], rep[name]
         if name not in grad:
             continue
-        mem[biggest] = 2.0**20  # the variable is in MiB, like the rows, for scaling
-        for i, st in enumerate(strategies[name]):
-            nbytes = max(param_transient(node, st, ctx), backward_working_set(graph, node, st, ctx, grad))
-            largest_transient = max(largest_transient, nbytes)
-            if nbytes:
-                row = model.Constraint(0.0, model.infinity())
-                row.SetCoefficient(biggest, 1.0)
-                row.SetCoefficient(x[name][i], -nbytes / 2**20)
+        at = name if node.kind is NodeKind.OP else first_use.get(name)
+        if at is None:
+            continue
+        terms = {x[r][i]: (param_transient(node, st, ctx) if node.kind is NodeKind.PARAM
+                           else backward_working_set(graph, node, st, ctx, grad))
+                 for i, st in enumerate(strategies[r])}
+        terms = {v: b for v, b in terms.items() if b}
+        largest_transient = max(largest_transient, *terms.values(), 0.0)
+        timeline.working_set(at, terms)
 
-    # Edges with the same representatives share variables; `kept` counts the
-    # copies whose resharded input stays alive for backward (not recomputed),
-    # `replayed` the recomputed consumers (their forward collectives run again)
-    # and `plain` the others.
-    edges, kept, replayed = Counter(), Counter(), Counter()
+    # Edges with the same representatives share variables; `replayed` counts
+    # the recomputed consumers (their forward collectives run again) and
+    # `plain` the others. `keeping`: per edge key, each producer instance and
+    # its first consumer (where the timeline places a kept resharded copy).
+    edges, replayed = Counter(), Counter()
     producers: dict = {}  # edge key -> the producer instances behind it
-    keeping: dict = {}  # edge key -> the producer instances whose consumer here keeps its input
+    keeping: dict = {}  # edge key -> {producer instance: consumer instance}
     for node in graph.nodes.values():
         for idx, src in enumerate(node.inputs):
             key = (rep[src], rep[node.name], idx)
             edges[key] += 1
             producers.setdefault(key, set()).add(src)
-            if node.name not in recomputed or node.name in live_again:
-                kept[key] += 1
-                keeping.setdefault(key, set()).add(src)
-            if node.name in recomputed:
+            keeping.setdefault(key, {}).setdefault(src, first_use[src])
+            if node.name in redo:
                 replayed[key] += 1
     # A reshard is shared by every consumer of one producer that wants the same
     # placement (codegen emits it once; the consumers' gradients meet there and
@@ -177,6 +179,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # through a variable above each edge's choice of it.
     shared: dict = {}  # (producer, choice p, key) -> [seconds per instance, producer instances, [selections], bytes]
     edge_vars: list = []  # the y variables of each edge
+    used_vars: list = []  # a shared reshard's variable (used by some edge)
     for (src, dst, idx), times in edges.items():
         prod, cons = strategies[src], strategies[dst]
         meta = graph.nodes[src].outputs[0]
@@ -189,7 +192,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             key = reshard_key(idx, s, n_axes, backward)
             in_groups.setdefault(key, []).append((j, s))
         unit, replay, held, synced = {}, {}, {}, {}
-        saved = dst in grad and kept[src, dst, idx] > 0 and saves_input(graph.nodes[dst])
+        saved = dst in grad and saves_input(graph.nodes[dst])
         is_param = graph.nodes[src].kind is NodeKind.PARAM
         hides = overlap and is_param
         plain = times - replayed[src, dst, idx]
@@ -214,9 +217,11 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                                           [unit[p, key], set(), [], {}])
                 group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]
                 group[2].append(terms)
-                # one resharded copy per producer instance, kept for backward if a consumer keeps it
-                for inst in range(kept[src, dst, idx]) if item else keeping.get((src, dst, idx), ()):
-                    group[3][inst] = max(group[3].get(inst, 0.0), held[p, key])
+                # one resharded copy per producer instance (per tuple item), kept
+                # for backward if a consumer keeps it; made at its first consumer
+                for inst, consumer in keeping[src, dst, idx].items():
+                    before = group[3].get(inst, (0.0, consumer))
+                    group[3][inst] = (max(before[0], held[p, key]), before[1])
 
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
@@ -246,16 +251,20 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
     for seconds_us, instances, selections, copies in shared.values():
-        kept_bytes = sum(copies.values())
         if len(selections) == 1:
             for terms in selections:  # one consumer edge: pay on its choice
                 for v in terms:
                     add(objective, v, seconds_us * len(instances))
-                    add(mem, v, kept_bytes)
+                    for nbytes, consumer in copies.values():
+                        add(mem, v, nbytes)
+                        timeline.copy(consumer, v, nbytes)
             continue
         used = model.NumVar(0.0, 1.0, "")
+        used_vars.append(used)
         add(objective, used, seconds_us * len(instances))
-        add(mem, used, kept_bytes)
+        for nbytes, consumer in copies.values():
+            add(mem, used, nbytes)
+            timeline.copy(consumer, used, nbytes)
         for terms in selections:
             row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
             row.SetCoefficient(used, 1.0)
@@ -265,7 +274,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # The most memory any plan could take: each node's and edge's largest
     # choice. Under the budget, the row never binds (solution.extra).
     most = max(sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values())
-               + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs) + largest_transient,
+               + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs)
+               + sum(mem.get(v, 0.0) for v in used_vars) + largest_transient,
                sum(max(late.get(v, 0.0) for v in vs) for vs in x.values()))
     # Dominated choices, fixed off before solving: where memory cannot bind, a
     # regathered (ZeRO-3) parameter costs what its stage-2 twin costs plus one
@@ -280,13 +290,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                     count_off += 1
         if count_off:
             pruned["regather (ZeRO-3) choices: memory cannot bind"] = count_off
-    budget_rows = []
-    if memory_budget is not None:
-        # in MiB so that the rows are well scaled next to the objective
-        for side in (mem, late):
-            budget_rows.append(model.Constraint(-model.infinity(), memory_budget / 2**20))
-            for v, c in side.items():
-                budget_rows[-1].SetCoefficient(v, c / 2**20)
+    budget_rows = _budget_rows(model, graph, rep, timeline, always, late, memory_budget) \
+        if memory_budget is not None else []
     obj = model.Objective()
     for v, c in objective.items():
         obj.SetCoefficient(v, c)
@@ -302,8 +307,9 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     def snapshot(status_name: str, extra_us: float = 0.0) -> tuple:
         chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
-        used = max(sum(c * v.solution_value() for v, c in side.items() if v is biggest or v.solution_value() > 0.5)
-                   for side in (mem, late))
+        value = lambda v: 1.0 if v.solution_value() > 0.5 else 0.0  # noqa: E731
+        total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
+        used = total(always) + max(sum(timeline.peak(value)), total(late) - total(always))
         return chosen, used, (obj.Value() + extra_us) / US, obj.BestBound() / US, status_name
 
     result = snapshot(names[status]) if status in ok else None
@@ -339,7 +345,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             # the same model, minimising memory without the budget: the least any plan needs
             peak = model.NumVar(0.0, model.infinity(), "peak")
-            for row, side in zip(budget_rows, (mem, late)):  # peak >= each side
+            for row in budget_rows:  # peak >= each row
                 row.SetUb(0.0)
                 row.SetCoefficient(peak, -1.0)
             obj.Clear()
@@ -347,7 +353,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             with _quiet_stdout():
                 least = model.Solve(params)
             need = obj.Value() * 2**20 if least in ok else None
-            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed or set(), need)
+            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed, need)
         raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
     chosen, used, value, bound, status_name = result
     choice = {name: chosen[rep[name]] for name in graph.nodes}
@@ -357,23 +363,56 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                      "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
 
 
-def _sides(node, s, ctx: CostContext, kept: float) -> tuple[float, float]:
-    """A node's bytes on the two sides of the peak: (held + activations,
-    held + gradients + optimizer-step temporaries)."""
+def _sides(node, s, ctx: CostContext, kept: float) -> tuple[float, float, float]:
+    """A node's bytes: (held all step, activations kept for backward, held +
+    gradients + optimizer-step temporaries)."""
     parts = memory_breakdown(node, s, ctx, kept)
     held = parts.get("parameters", 0.0) + parts.get("optimizer", 0.0) + parts.get("inputs", 0.0)
-    return held + parts.get("activations", 0.0), \
-        held + parts.get("gradients", 0.0) + step_temporaries(node, s, ctx)
+    return held, parts.get("activations", 0.0), held + parts.get("gradients", 0.0) + step_temporaries(node, s, ctx)
 
 
-def _first_instance(recomputed: set, graph: Graph) -> set:
-    """The nodes of the first recomputed layer instance."""
-    from autopar.passes.cluster import layer_of
-    layers = sorted({layer_of(graph.nodes[n]) for n in recomputed} - {None})
-    if not layers:
-        return set()
-    first = layers[0]
-    return {n for n in recomputed if layer_of(graph.nodes[n]) == first}
+def _budget_rows(model, graph: Graph, rep: dict, timeline: Timeline, held: dict, late: dict,
+                 budget: float) -> list:
+    """Rows saying the plan fits ``budget``, in MiB (well scaled next to the
+    objective): held + gradients + step temporaries; and held + activations
+    alive + the working set at each op's backward. Activations accumulate in a
+    chain of variables (A_k = A_k-1 + what is kept in between), so each byte
+    appears once. Of a layer class only its last instance is checked: the
+    earlier ones have the same working sets and fewer activations alive."""
+    mib = 2.0**20
+    last = {}
+    for name in graph.nodes:
+        last[rep[name]] = name
+    wanted = set(last.values())
+    rows = []
+
+    def row(terms: dict, *chained) -> None:
+        r = model.Constraint(-model.infinity(), budget / mib)
+        for v, c in held.items():
+            r.SetCoefficient(v, c / mib)
+        for v, c in terms.items():
+            r.SetCoefficient(v, r.GetCoefficient(v) + c / mib)
+        for a in chained:
+            r.SetCoefficient(a, 1.0)
+        rows.append(r)
+
+    row({v: c - held.get(v, 0.0) for v, c in late.items()})
+    previous = None
+    for since, region, working in timeline.points(wanted):
+        alive = model.NumVar(0.0, model.infinity(), "")
+        link = model.Constraint(0.0, 0.0)  # alive - previous - since = 0
+        link.SetCoefficient(alive, 1.0)
+        if previous is not None:
+            link.SetCoefficient(previous, -1.0)
+        for v, c in since.items():
+            link.SetCoefficient(v, -c / mib)
+        previous = alive
+        for ws in working or [{}]:
+            terms = dict(region)
+            for v, c in ws.items():
+                terms[v] = terms.get(v, 0.0) + c
+            row(terms, alive)
+    return rows
 
 
 def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | None) -> InfeasibleError:
@@ -381,10 +420,9 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
     (``need``, from the ILP minimising memory; else each node at its smallest,
     a lower bound), and the biggest parts."""
     least = {}
-    live_again = _first_instance(recomputed, graph)
-    kept_share = saved_outputs(graph)
+    kept_share = recomputed.kept_share(graph)
     for node in graph.nodes.values():
-        if node.name in recomputed and node.name not in live_again and node.kind is NodeKind.OP:
+        if recomputed.drops(node.name):
             least[node.name] = 0.0
             continue
         least[node.name] = min(node_memory(node, s, ctx, kept_share.get(node.name, 0.0))

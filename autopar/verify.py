@@ -109,7 +109,8 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     report["param_max_abs"] = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in keys)
     report["param_by_name"] = {k: _rel(state[k], ref_state[k]) for k in keys}
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
-    report["plan"] = {"recompute": plan.recompute.get("layers", []), "strategies": {n.name: n.strategy for n in plan.nodes},
+    report["plan"] = {"recompute": plan.recompute.get("layers", []), "recompute_mode": plan.recompute.get("mode"),
+                      "strategies": {n.name: n.strategy for n in plan.nodes},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()},
                       "zero_stages": {k: v.get("zero_stage") for k, v in plan.parameters.items()},
                       "collectives": len(plan.collectives)}
@@ -138,7 +139,7 @@ def main(argv=None):
     ap.add_argument("--random-plans", type=int, default=0, help="also check N random valid plans")
     ap.add_argument("--local-inputs", action="store_true", help="feed each rank its own shard of the batch")
     ap.add_argument("--tol", type=float, default=1e-5)
-    ap.add_argument("--recompute", default="auto", choices=["auto", "none", "full"])
+    ap.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
     ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
     ap.add_argument("--json", help="write the report here (rank 0)")
     args = ap.parse_args(argv)

@@ -22,21 +22,27 @@ from autopar.codegen import build_program, load_program, program_source  # noqa:
 from autopar.memtrack import LiveBytes  # noqa: E402
 from autopar.runtime import ParallelModule, init_distributed, load_factory  # noqa: E402
 
-CASES = [  # (factory, mesh, cluster, per-device budget in MiB or None)
-    ("examples/gpt.py:demo", "2x2", "dgx-a100", None),
-    ("examples/gpt.py:demo", "4", "tests/fixtures/fastnet.json", None),
-    ("examples/gpt.py:small", "2x2", "tests/fixtures/fastnet.json", None),
-    ("examples/mlp.py:wide", "4", "dgx-a100", None),
+FASTNET = "tests/fixtures/fastnet.json"
+CASES = [  # (factory, mesh, cluster, per-device budget in MiB or None, recomputation)
+    ("examples/gpt.py:demo", "2x2", "dgx-a100", None, "auto"),
+    ("examples/gpt.py:demo", "4", FASTNET, None, "auto"),
+    ("examples/gpt.py:small", "2x2", FASTNET, None, "auto"),
+    ("examples/mlp.py:wide", "4", "dgx-a100", None, "auto"),
     # tight budgets without recomputation: parameters sharded at ZeRO stages 2 and 3
-    ("examples/gpt.py:small", "4", "dgx-a100", 1.3),
-    ("examples/gpt.py:small", "4", "tests/fixtures/fastnet.json", 1.3),
+    ("examples/gpt.py:small", "4", "dgx-a100", 1.3, "none"),
+    ("examples/gpt.py:small", "4", FASTNET, 1.3, "none"),
+    # explicit attention (s x s scores) without, with selective and with full recomputation
+    ("examples/gpt.py:explicit", "2x2", FASTNET, None, "none"),
+    ("examples/gpt.py:explicit", "2x2", FASTNET, None, "selective"),
+    ("examples/gpt.py:explicit", "2x2", FASTNET, None, "full"),
 ]
 
 
-def measure(source, mesh, cluster, budget_mib):
+def measure(source, mesh, cluster, budget_mib, recompute):
     model, inputs, loss_fn = load_factory(source)
-    options = {"memory": budget_mib * 2**20, "recompute": "none"} if budget_mib else {}
-    plan = autopar.compile(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, **options)
+    options = {"memory": budget_mib * 2**20} if budget_mib else {}
+    plan = autopar.compile(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, recompute=recompute,
+                           **options)
     stages = collections.Counter(p.get("zero_stage") for p in plan.parameters.values())
     device_mesh = init_distributed(plan.mesh.shape, plan.mesh.names)
     program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
@@ -58,14 +64,14 @@ def measure(source, mesh, cluster, budget_mib):
 
 
 def main():
-    rows = [(s, m, c, b, *measure(s, m, c, b)) for s, m, c, b in CASES]
+    rows = [(s, m, c, b, r, *measure(s, m, c, b, r)) for s, m, c, b, r in CASES]
     if dist.get_rank() == 0:
-        print(f"{'model':22} {'mesh':4} {'cluster':12} {'budget':>6} {'ZeRO stage:params':22} "
+        print(f"{'model':25} {'mesh':4} {'cluster':12} {'budget':>6} {'recompute':9} {'ZeRO stage:params':22} "
               f"{'predicted MiB':>13} {'measured MiB':>12} {'error':>7}")
         errors = []
-        for s, m, c, b, zero, pred, meas in rows:
+        for s, m, c, b, r, zero, pred, meas in rows:
             errors.append(abs(pred / meas - 1))
-            print(f"{s:22} {m:4} {os.path.basename(c):12} {b or '-':>6} {zero:22} {pred / 2**20:13.2f} "
+            print(f"{s:25} {m:4} {os.path.basename(c):12} {b or '-':>6} {r:9} {zero:22} {pred / 2**20:13.2f} "
                   f"{meas / 2**20:12.2f} {pred / meas - 1:+7.1%}")
         print(f"mean absolute error {sum(errors) / len(errors):.1%}")
     dist.destroy_process_group()

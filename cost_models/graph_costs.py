@@ -145,9 +145,11 @@ SAVES_NOTHING = {
     _aten.sum.default, _aten.mean.dim, _aten.mean.default, _aten.clone.default, _aten.contiguous.default,
     _aten._to_copy.default, _aten.to.dtype, _aten.broadcast_tensors.default, _aten.ne.Scalar,
     _aten.arange.default, _aten.arange.start, _aten.one_hot.default, _aten.zeros.default, _aten.ones.default,
+    _aten.masked_fill.Scalar, _aten.where.self,
 }
-"""Ops whose backward needs none of their inputs or outputs (derivatives.yaml:
-the gradient passes through, is negated, split or broadcast)."""
+"""Ops whose backward needs none of their floating-point inputs or outputs
+(derivatives.yaml: the gradient passes through, is negated, split or
+broadcast; masked_fill and where keep only their boolean mask)."""
 SAVES_OUTPUT = {
     _aten.relu.default, _aten.tanh.default, _aten.sigmoid.default, _aten.exp.default, _aten.rsqrt.default,
     _aten.sqrt.default, _aten.softmax.int, _aten._softmax.default, _aten.log_softmax.int,
@@ -166,6 +168,7 @@ SAVES_INPUTS = {
 GELU/SiLU, the norms: mean and rstd are per-row and small; cross entropy
 keeps its log-softmax, the size of its input). Any other op is assumed to
 keep its inputs and its output (an upper bound)."""
+_PRODUCTS = {_aten.mul.Tensor, _aten.div.Tensor}
 DROPOUT_MASK_BYTES = 1
 """aten.native_dropout keeps a bool mask, one byte per element, for backward."""
 
@@ -173,6 +176,8 @@ DROPOUT_MASK_BYTES = 1
 def saves_input(consumer: Node) -> bool:
     """Whether autograd keeps a consumer's (floating-point) inputs for its backward."""
     target = consumer.target
+    if target in _PRODUCTS and len(consumer.inputs) < 2:
+        return False  # a product with a Python number keeps nothing (derivatives.yaml: mul.Scalar)
     return consumer.kind is NodeKind.OP and target not in SAVES_NOTHING and target not in SAVES_OUTPUT \
         and target not in VIEW_OPS and target is not _aten.dropout.default
 
@@ -180,8 +185,8 @@ def saves_input(consumer: Node) -> bool:
 def saved_outputs(graph: Graph) -> dict:
     """Per node, the share of its output's bytes kept for backward: 1 when its
     own backward needs it or a consumer's does (through views, which share its
-    storage), a bool mask's share for dropout, 0 when nothing needs it (an
-    add, a reduce-scattered partial sum, a dropout's output)."""
+    storage), plus a bool mask's share for a dropout, 0 when nothing needs it
+    (an add, a reduce-scattered partial sum, an unused dropout output)."""
     grad = needs_grad(graph)
     consumers = graph.consumers()
     kept: dict = {}
@@ -191,13 +196,30 @@ def saved_outputs(graph: Graph) -> dict:
             continue
         own = node.target not in SAVES_NOTHING and node.target not in SAVES_INPUTS \
             and node.target not in VIEW_OPS and node.target is not _aten.dropout.default
-        used = any(c in grad and (saves_input(graph.nodes[c]) or kept.get(c, 0.0) and graph.nodes[c].target in VIEW_OPS)
+        used = any(c in grad and (saves_input(graph.nodes[c]) or kept.get(c, 0.0) and is_view(graph.nodes[c]))
                    for c, _ in consumers.get(name, []))
+        mask = _dropout_mask_share(node)
         if own or used:
-            kept[name] = 1.0
-        elif node.target is _aten.dropout.default:
-            kept[name] = DROPOUT_MASK_BYTES / max(1, node.out.dtype.itemsize)
+            kept[name] = 1.0 + mask
+        elif mask:
+            kept[name] = mask
     return kept
+
+
+def is_view(node: Node) -> bool:
+    """Whether an op's output shares its input's storage: a view, or a dropout
+    that drops nothing (p = 0 or eval, where ATen returns its input)."""
+    return node.target in VIEW_OPS or (node.target is _aten.dropout.default and not _dropout_mask_share(node))
+
+
+def _dropout_mask_share(node: Node) -> float:
+    """A training dropout with p > 0 keeps its mask (ATen's CPU dropout returns
+    its input untouched for p = 0, keeping nothing)."""
+    if node.target is not _aten.dropout.default or node.info is None:
+        return 0.0
+    if not node.info.arg(1, "p", 0.0) or not node.info.arg(2, "train", True):
+        return 0.0
+    return DROPOUT_MASK_BYTES / max(1, node.out.dtype.itemsize)
 
 
 def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> dict:
@@ -209,8 +231,10 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
         return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer).items()}
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
-    if node.kind is NodeKind.OP and kept and node.target not in VIEW_OPS:
-        return {"activations": kept * sum(ctx.tensor_bytes(m) for m in node.outputs) / shard_factor(s.output, ms)}
+    if node.kind is NodeKind.OP and kept and not is_view(node):
+        mask = min(kept, _dropout_mask_share(node))  # one byte per element whatever the precision
+        priced = sum(ctx.tensor_bytes(m) for m in node.outputs)
+        return {"activations": ((kept - mask) * priced + mask * node.out.nbytes) / shard_factor(s.output, ms)}
     return {}
 
 

@@ -16,6 +16,10 @@ class GPTConfig:
     heads: int = 4
     layers: int = 2
     dropout: float = 0.0
+    attention: str = "sdpa"
+    """"sdpa": torch's fused scaled_dot_product_attention; "explicit": the
+    s x s scores materialised, softmax and attention dropout as separate ops
+    (GPT-2, Megatron-LM 2021)."""
 
 
 class Attention(nn.Module):
@@ -28,11 +32,21 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.v = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        if cfg.attention not in ("sdpa", "explicit"):
+            raise ValueError(f"GPTConfig.attention {cfg.attention!r} is not 'sdpa' or 'explicit'")
+        self.explicit = cfg.attention == "explicit"
+        if self.explicit:
+            self.register_buffer("future", torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1), persistent=False)
+            self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = (t(x).view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1)) * (h // self.heads) ** -0.5
+            y = self.drop(scores.masked_fill(self.future[:s, :s], float("-inf")).softmax(-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -86,6 +100,17 @@ def small(batch: int = 8):
     """FACTORY for the CLI: a 2-layer GPT, its example batch and its loss."""
     torch.manual_seed(0)
     cfg = GPTConfig()
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    return model, (idx, target), lm_loss
+
+
+def explicit(batch: int = 8):
+    """FACTORY: ``small`` with explicit attention (the s x s scores kept for
+    backward), where selective recomputation frees memory."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq=128, attention="explicit")
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))

@@ -48,6 +48,16 @@ def test_recomputed_layers_with_sharded_parameters(tmp_path):
     assert_agrees(reports)
 
 
+def test_selective_recomputation_runs_the_attention_core_again(tmp_path):
+    """Selective recomputation (the attention cores checkpointed, the GEMMs'
+    inputs kept) on a 2x2 mesh trains like one device."""
+    reports = verify("examples/gpt.py:explicit", "2x2", 4, tmp_path, random_plans=0,
+                     extra=["--recompute", "selective"])
+    assert reports[0]["plan"]["recompute_mode"] == "selective"
+    assert reports[0]["plan"]["recompute"] == ["blocks.0", "blocks.1"]
+    assert_agrees(reports)
+
+
 def test_zero_stage_3_gathers_parameters_again_in_backward(tmp_path):
     """A budget that needs ZeRO-3 without recomputation: parameters stored
     sharded, gathered for forward, freed, gathered again in backward (the

@@ -7,6 +7,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext, memory_breakdown, param_bytes
 from autopar.capture import NodeKind
 from autopar.passes.strategy import R, S, Strategy
+from autopar.runtime import load_factory
 
 
 @pytest.mark.parametrize("precision, optimizer, total", [
@@ -72,17 +73,18 @@ def parameter_heavy():
 
 # budget (MB), ZeRO stages that must appear, stages that must not, recomputation
 SWEEP = [
-    (None, {0}, {2, 3}, "none"),   # plain data parallelism
-    (150, {0, 2}, {3}, "none"),    # ZeRO-2 for some parameters
-    (100, {3}, set(), "none"),     # ZeRO-3
-    (70, set(), set(), "full"),    # full recomputation
+    (None, {0}, {None, 2, 3}, "none"),  # plain data parallelism
+    (150, {None}, {2, 3}, "none"),      # some parameters tensor-parallel (zero_stage None)
+    (100, {2}, {3}, "none"),            # ZeRO-2 for some parameters
+    (80, {2, 3}, set(), "none"),        # and ZeRO-3
+    (70, set(), set(), "full"),         # full recomputation
 ]
 
 
 def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation():
     """Lower budgets never give a faster plan (the ILP's objective); they move
-    parameters from replicated to ZeRO-2 to ZeRO-3 and turn on
-    recomputation; then no plan fits and the error says exactly how much the
+    parameters from replicated to tensor-parallel, ZeRO-2 and ZeRO-3 and turn
+    on recomputation; then no plan fits and the error says exactly how much the
     smallest plan needs (a budget just above it compiles)."""
     model, inputs, loss, cluster = parameter_heavy()
     times = []
@@ -113,7 +115,7 @@ def test_regather_choices_are_pruned_only_where_memory_cannot_bind():
     free = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=1e12)
     (count,) = free.solver["pruned"].values()
     assert count > 0 and not any(p["regather"] for p in free.parameters.values())
-    tight = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=100e6)
+    tight = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=80e6)
     assert tight.solver["pruned"] == {} and any(p["regather"] for p in tight.parameters.values())
 
 
@@ -121,7 +123,7 @@ def test_zero_3_trades_communication_for_memory():
     """The same parameter sharded: regathering in backward (ZeRO-3) holds no
     full copy until backward and pays one more all-gather (phase recompute)."""
     model, inputs, loss, cluster = parameter_heavy()
-    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=100e6)
+    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16", memory=80e6)
     regathered = {fqn for fqn, p in plan.parameters.items() if p["zero_stage"] == 3}
     again = {c["tensor"] for c in plan.collectives if c["phase"] == "recompute" and c["kind"] == "all_gather"}
     assert regathered and regathered <= again
@@ -135,6 +137,97 @@ def test_recompute_trades_time_for_memory():
     assert plans["full"].recompute["layers"] == [f"blocks.{i}" for i in range(4)]
     assert plans["full"].predicted["memory"]["activations"] < plans["none"].predicted["memory"]["activations"]
     assert plans["full"].predicted["compute_s"] > plans["none"].predicted["compute_s"]
+
+
+def _explicit_gpt(dropout: float = 0.0):
+    from gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(seq=128, heads=4, hidden=64, layers=2, dropout=dropout, attention="explicit")
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, cfg.vocab, (8, cfg.seq))
+    return cfg, model, (idx, idx), lm_loss
+
+
+def test_selective_recomputation_finds_the_attention_core_by_its_memory():
+    """The rule names no op: in GPT with explicit attention the pieces between
+    weight uses that free memory more cheaply than recomputing the block are
+    its attention cores (QK^T, softmax, dropout, the product with V), as in
+    Korthikanti et al. 2022; fused attention keeps no s x s scores, so there
+    nothing is worth recomputing, and a SwiGLU's product is."""
+    from autopar.capture import capture
+    from autopar.passes.recompute import recomputation
+    ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "bf16")
+    _, model, inputs, loss = _explicit_gpt(dropout=0.1)
+    graph = capture(model, inputs, loss)
+    rc = recomputation(graph, "selective", ctx=ctx)
+    assert rc.paths == ["blocks.0", "blocks.1"] and len(rc.regions) == 2
+    for region in rc.regions:
+        ops = [graph.nodes[n].op_name for n in region]
+        assert {"softmax.int", "dropout", "masked_fill.Scalar"} <= set(ops) and ops.count("matmul") == 2, ops
+        assert not {"linear", "layer_norm", "gelu"} & set(ops), ops
+        assert all(graph.nodes[n].fqn.startswith(("blocks.0.attn", "blocks.1.attn")) for n in region)
+    # the checkpoint keeps the q, k, v projections, which the GEMMs kept anyway
+    assert {graph.nodes[n].op_name for n in rc.kept_inputs} == {"linear"}
+    fused = capture(*load_factory("examples/gpt.py:small"))
+    assert recomputation(fused, "selective", ctx=ctx).regions == ()
+    moe = capture(*load_factory("examples/moe.py:small"))
+    swiglu = recomputation(moe, "selective", ctx=ctx)
+    assert [sorted({moe.nodes[n].op_name for n in r}) for r in swiglu.regions] == [["mul.Tensor", "silu"]] * 2
+
+
+def test_selective_recomputation_frees_korthikanti_attention_terms():
+    """Per layer, selective recomputation saves 5 a s^2 b bytes in 16-bit
+    training (Korthikanti et al. 2022, eq. 1 vs eq. 2: softmax output 2,
+    dropout mask 1, dropout output 2); the planner's memory model agrees
+    within 10%, and full recomputation keeps less still, at more time."""
+    cfg, model, inputs, loss = _explicit_gpt(dropout=0.1)
+    plans = {mode: autopar.compile(model, inputs, mesh=1, cluster="dgx-a100", loss_fn=loss, precision="bf16",
+                                   recompute=mode) for mode in ("none", "selective", "full")}
+    act = {m: p.predicted["memory"]["activations"] for m, p in plans.items()}
+    b, s, a = inputs[0].shape[0], cfg.seq, cfg.heads
+    saved = (act["none"] - act["selective"]) / cfg.layers
+    assert saved == pytest.approx(5 * a * s * s * b, rel=0.10), (saved, 5 * a * s * s * b)
+    assert act["full"] < act["selective"] < act["none"]
+    t = {m: p.predicted["compute_s"] for m, p in plans.items()}
+    assert t["none"] < t["selective"] < t["full"]
+    assert plans["selective"].recompute["mode"] == "selective" and len(plans["selective"].recompute["regions"]) == 2
+    from rich.console import Console
+    from autopar.report import show
+    console = Console(record=True, width=200)
+    show(plans["selective"], console=console)
+    assert "recomputed in backward (selective): 2 regions in 2 layers (blocks.0 .. blocks.1), e.g. matmul" \
+        in console.export_text()
+
+
+def test_budget_between_selective_and_none_picks_selective():
+    """Under a budget that the plan without recomputation misses and the
+    selective one meets, auto picks selective: cheaper than full."""
+    _, model, inputs, loss = _explicit_gpt(dropout=0.1)
+    kw = dict(mesh=1, cluster="dgx-a100", loss_fn=loss, precision="bf16")
+    peak = {m: autopar.compile(model, inputs, recompute=m, **kw).predicted["peak_memory_bytes"]
+            for m in ("none", "selective")}
+    plan = autopar.compile(model, inputs, memory=(peak["none"] + peak["selective"]) / 2, **kw)
+    assert plan.recompute["mode"] == "selective"
+    labels = [c["recompute"] for c in plan.recompute["candidates"]]
+    assert labels[0] == "none" and labels[1].startswith("selective") and labels[2] == "full"
+    assert plan.recompute["candidates"][0]["status"] == "INFEASIBLE"
+
+
+def test_checkpointed_layers_keep_their_inputs():
+    """Full recomputation keeps each block's input (the checkpoint's
+    argument): the planned activations of L recomputed blocks grow with L by
+    one hidden-state tensor per block, not by nothing."""
+    from gpt import GPT, GPTConfig, lm_loss
+    per_layer = {}
+    for layers in (2, 4):
+        cfg = GPTConfig(seq=64, hidden=64, heads=4, layers=layers)
+        with torch.device("meta"):
+            model = GPT(cfg)
+            idx = torch.randint(0, cfg.vocab, (8, cfg.seq))
+        plan = autopar.compile(model, (idx, idx), mesh=1, cluster="dgx-a100", loss_fn=lm_loss, recompute="full")
+        per_layer[layers] = plan.predicted["memory"]["activations"]
+    hidden_state = 8 * 64 * 64 * 4
+    assert per_layer[4] - per_layer[2] == pytest.approx(2 * hidden_state)
 
 
 def test_bad_precision_is_named():

@@ -245,7 +245,6 @@ def _best_hand_grid(layers, hidden, heads, seq, vocab, batch, *, nodes):
                             if est.memory.total <= 80e9:
                                 best = min(best, est.step_time_s)
     return best
-    Plan.from_json(json.loads(plan.dumps()))
 
 
 # --- equivalence on gloo ranks --------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Activation memory over the backward pass, in program order.
+
+Backward runs the ops in reverse. When it reaches op ``o``, the activations
+kept by ``o`` and everything before it are still alive (those of later ops
+were freed by their own backward) and ``o``'s gradient working set is
+allocated. A recomputed region's activations are alive again while backward
+runs through it. So the activation side of the peak is
+
+    max over ops o of:  kept(n <= o) + recomputed(region of o, n <= o) + working_set(o)
+
+``Timeline`` collects those terms as {key: bytes} maps, where a key is an
+ILP variable (the solver: the bytes count when it is chosen) or None (a
+chosen plan, ``build_plan``: plain bytes), and walks them as points.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autopar.capture import Graph
+from autopar.passes.recompute import Recomputation
+
+
+def first_consumers(graph: Graph) -> dict:
+    """Each node's first consumer in program order (where a resharded copy of
+    it, or a gathered parameter's gradient, is placed on the timeline)."""
+    out = {}
+    for node in graph.nodes.values():
+        for src in node.inputs:
+            out.setdefault(src, node.name)
+    return out
+
+
+class Timeline:
+    def __init__(self, graph: Graph, rc: Recomputation):
+        self.position = {name: k for k, name in enumerate(graph.nodes)}
+        self.region = {n: i for i, r in enumerate(rc.regions) for n in r}
+        self.rc = rc
+        self.kept = defaultdict(dict)  # position -> {key: bytes}, kept until that op's backward
+        self.again = defaultdict(dict)  # position -> {key: bytes}, recomputed in its region's backward
+        self.working = defaultdict(list)  # position -> [{key: bytes}], a working set during that op's backward
+
+    @staticmethod
+    def _add(table: dict, key, nbytes: float) -> None:
+        if nbytes:
+            table[key] = table.get(key, 0.0) + nbytes
+
+    def activation(self, name: str, key, nbytes: float) -> None:
+        """Node ``name`` keeps ``nbytes`` for backward (as if not recomputed)."""
+        table = self.again if self.rc.drops(name) else self.kept
+        self._add(table[self.position[name]], key, nbytes)
+
+    def copy(self, consumer: str, key, nbytes: float) -> None:
+        """A resharded copy made for ``consumer`` and kept for its backward."""
+        table = self.again if consumer in self.region else self.kept
+        self._add(table[self.position[consumer]], key, nbytes)
+
+    def working_set(self, at: str, terms: dict) -> None:
+        """Bytes alive for a moment during the backward of node ``at``."""
+        if terms:
+            self.working[self.position[at]].append(terms)
+
+    def points(self, wanted=None):
+        """Yield (kept since the previous point, recomputed in this region so
+        far, [working sets]) at each op with a working set (``wanted``: a set
+        of node names to stop at, default all), in program order, and finally
+        ({kept since}, {}, []) for the end of forward."""
+        names = list(self.position)
+        since: dict = {}
+        region_so_far: dict = {}
+        current = None
+        for k, name in enumerate(names):
+            region = self.region.get(name)
+            if region != current:
+                region_so_far, current = {}, region
+            for key, b in self.kept.get(k, {}).items():
+                self._add(since, key, b)
+            for key, b in self.again.get(k, {}).items():
+                self._add(region_so_far, key, b)
+            if self.working.get(k) and (wanted is None or name in wanted):
+                yield since, dict(region_so_far), self.working[k]
+                since = {}
+        yield since, {}, []
+
+    def peak(self, value=lambda key: 1.0) -> tuple[float, float]:
+        """(activations alive, working set) where their sum is largest, each
+        key's bytes counted ``value(key)`` times (1 for a chosen plan's None
+        keys; an ILP variable's 0/1 solution value)."""
+        total = lambda table: sum(b * value(k) for k, b in table.items())  # noqa: E731
+        best, running = (0.0, 0.0), 0.0
+        for since, region, working in self.points():
+            running += total(since)
+            alive = running + total(region)
+            ws = max((total(t) for t in working), default=0.0)
+            if alive + ws >= sum(best):
+                best = (alive, ws)
+        return best
