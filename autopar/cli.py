@@ -118,11 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype priced (bf16/fp16: mixed precision with fp32 master weights)")
     c.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-momentum"],
                    help="optimizer whose state is counted in memory")
-    c.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
+    c.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"],
+                   help="activation recomputation: selective = the memory-heavy pieces of each layer "
+                        "(an attention core), full = whole layers, auto = the fastest that fits")
     c.add_argument("-O", dest="opt_level", type=int, default=1, choices=[1, 2],
                    help="-O1: cluster repeated layers (seconds); -O2: wider search")
     c.add_argument("--pp", help="pipeline stages (a number), or 'auto' to let the planner decide")
-    c.add_argument("--microbatches", type=int, help="pipeline microbatches (default: chosen by the planner)")
+    c.add_argument("--microbatches", type=int,
+                   help="microbatches per step: a pipeline's, or, without one, gradient accumulation "
+                        "(default: chosen by the planner for a pipeline, 1 without)")
     c.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], help="pipeline schedule")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     c.add_argument("--gap", type=float, default=1e-4, help="relative MIP gap at which the solver stops")

@@ -963,7 +963,8 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                 continue
             d = world // (t * p)
             links = axis_links(cluster, (p, d, t))
-            sizes = points if p > 1 else ([B // d] if B % d == 0 else [])
+            per_rank = d * (microbatches or 1)  # without a pipeline: one microbatch unless pinned
+            sizes = points if p > 1 else ([B // per_rank] if B % per_rank == 0 else [])
             for b0 in sizes:
                 if B % (d * b0):
                     continue
@@ -1025,7 +1026,9 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
       factors the devices into pp x dp x tp (tp inside a node, at most the
       mesh's last axis) and pipelines only when ``should_pipeline`` says so;
       ``stages=`` pins the stage count (``stages=1`` never pipelines).
-      Otherwise it returns ``autopar.compile``'s plan on ``mesh``.
+      Otherwise it returns ``autopar.compile``'s plan on ``mesh``; or, with
+      ``microbatches`` > 1, a one-stage pipeline: gradient accumulation over
+      the microbatches, reduced once per step, ZeRO-1 over data parallelism.
     ``microbatches`` / ``schedule`` ("gpipe", "1f1b", "interleaved-1f1b") pin
     those choices; ``recompute`` pins full activation recomputation on or off
     (the runtime does not recompute yet). The plan's ``pipeline`` section is
@@ -1044,24 +1047,29 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
     flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, **options)
+    accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
+                      source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
     if PP_AXIS in mesh.names:
         p = mesh.shape[mesh.names.index(PP_AXIS)]
         if stages is not None and stages != p:
             raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
                                f"coordinate of its pp axis; use a mesh with pp={stages}")
-        if p == 1:
+        if p == 1 and microbatches in (None, 1):
             return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
-        return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, microbatches=microbatches,
-                             schedule=schedule, memory=memory, recompute=recompute, source=source,
-                             reuse_layers=bool(reuse_layers), t0=t0, **options)
+        return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
     if stages == 1:
-        return compile_flat(model, example_inputs, mesh=mesh, **flat)
+        if microbatches in (None, 1):
+            return compile_flat(model, example_inputs, mesh=mesh, **flat)
+        return _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
                             recompute=recompute, reuse_layers=reuse_layers, margin=margin,
                             max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, **options)
     if not found.pipeline:
-        plan = compile_flat(model, example_inputs, mesh=mesh, **flat)
+        if microbatches in (None, 1):
+            plan = compile_flat(model, example_inputs, mesh=mesh, **flat)
+        else:  # gradient accumulation: a pipeline of one stage
+            plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
         plan.solver["pipeline_search"] = found.summary()
         return plan
     best = found.pipelined
@@ -1086,6 +1094,12 @@ def _schedule_arg(schedule) -> Schedule:
         return Schedule(schedule)
     except ValueError:
         raise AutoparError(f"schedule {schedule!r} is not one of {[s.value for s in Schedule]}") from None
+
+
+def _with_pp(mesh: Mesh) -> Mesh:
+    """``mesh`` with a pp axis of size 1 in front: one stage, its microbatches
+    accumulating gradients (and ZeRO-1 over its data-parallel axes)."""
+    return Mesh((1, *mesh.shape), (PP_AXIS, *mesh.names))
 
 
 def _inner_mesh(mesh: Mesh) -> Mesh:

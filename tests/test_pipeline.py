@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import autopar
 from autopar.capture import capture
 from autopar.errors import AutoparError
 from autopar.mesh import Mesh
@@ -20,6 +21,7 @@ from autopar.pipeline import (
 )
 from autopar.pipeline_runtime import stage_graph
 from autopar.plan import Plan
+from autopar.runtime import load_factory
 from conftest import ROOT, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
@@ -291,6 +293,26 @@ def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
     assert r["zero1_parameters"] and r["plan"]["optimizer_sharding"] == "zero-1"
     by_rank = r["local_parameters_by_rank"]
     assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3] and not set(by_rank[0]) & set(by_rank[2])
+
+
+def test_gradient_accumulation_without_a_pipeline_on_four_ranks(tmp_path):
+    """pp=1: the one stage runs 4 microbatches on a 2x2 submesh, accumulates
+    gradients, reduces them once per step and shards the optimizer states
+    over the replicated axes (ZeRO-1): the same training as one device."""
+    (r,) = _check(tmp_path, 4, "pp=1,dp=2,tp=2", ["examples/gpt.py:small"], "1f1b")
+    assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1, 2, 3]] and r["plan"]["microbatches"] == 4
+    assert r["deferred_reductions"] > 0 and r["zero1_parameters"]
+
+
+def test_microbatches_without_stages_accumulate_gradients():
+    """``microbatches`` on a mesh without pipelining is honoured (it used to
+    be dropped): a one-stage plan whose microbatches accumulate gradients."""
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    plan = autopar.compile(model, inputs, mesh=4, cluster=FAST, loss_fn=loss, microbatches=4, pipeline_stages=1)
+    assert plan.pipeline["microbatches"] == 4 and len(plan.pipeline["stages"]) == 1
+    assert plan.pipeline["optimizer_sharding"] == "zero-1" and plan.pipeline["bubble_fraction"] == 0.0
+    searched = autopar.compile(model, inputs, mesh=4, cluster=FAST, loss_fn=loss, microbatches=4)
+    assert searched.pipeline["microbatches"] == 4
 
 
 def test_pipeline_times_data_times_tensor_parallel_on_eight_ranks(tmp_path):
