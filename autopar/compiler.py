@@ -26,7 +26,7 @@ from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
-from autopar.timeline import Timeline, first_consumers
+from autopar.timeline import SyncWindow, Timeline, first_consumers
 from autopar.solver import solve
 
 log = logging.getLogger("autopar")
@@ -259,10 +259,11 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     kept_share = rc.kept_share(graph)
     recomputed = rc.nodes
     timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
+    window = SyncWindow(graph)
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
     reshards = SharedReshards(len(mesh.shape))
-    compute = comm = backward_s = sync_s = 0.0
+    compute = comm = sync_s = 0.0
     memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
               "buffers": 0.0}
     ms = mesh.shape
@@ -272,7 +273,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         if node.name in recomputed:
             b += f  # the forward runs again in backward
         compute += f + b
-        backward_s += b
+        window.compute(node.name, None, b)
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         acts = parts.pop("activations", 0.0)  # memory["activations"]: from the timeline, below
         timeline.activation(node.name, None, acts)
@@ -309,6 +310,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                     comm += m.seconds
                     if phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM:
                         sync_s += m.seconds
+                        window.sync(node.name, None, m.seconds)
                     collectives.append({
                         "kind": m.kind.value, "phase": phase, "mesh_axes": [mesh.names[m.axis]],
                         "bytes": m.nbytes, "seconds": m.seconds, "node": node.name, "producer": src,
@@ -333,8 +335,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                            "shape": list(node.out.shape), "dtype": str(node.out.dtype),
                            "local_shape": list(local_shape(node.out.shape, spec, ms))})
     total_flops = _model_flops(graph, grad)
-    # gradient sync under backward compute where the cluster overlaps them
-    exposed_sync = max(0.0, sync_s - backward_s) if ctx.cluster.overlap_grad_sync else sync_s
+    # gradient sync under the backward compute left to run, where the cluster overlaps them
+    exposed_sync = window.exposed() if ctx.cluster.overlap_grad_sync else sync_s
     step = compute + comm - sync_s + exposed_sync
     # Activations: those alive at the op whose backward needs the most with
     # its working set (autopar/timeline.py); gradients build up in backward

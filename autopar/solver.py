@@ -6,8 +6,9 @@ its input spec and the gradient spec that flows back). Flow constraints tie y
 to x on both sides, so the products x[u]·x[v] are linear. The objective is the
 step time: compute (forward + backward), every resharding forward and
 backward, and the optimizer step; on clusters that overlap gradient
-synchronisation with backward, backward + sync is max(backward, sync). The
-memory constraint bounds each device's bytes.
+synchronisation with backward, only the sync that the backward compute
+left to run cannot hide is paid (timeline.SyncWindow). The memory rows bound
+each device's bytes at each op of backward (timeline.Timeline).
 Solved as a MIP through OR-tools (HiGHS by default; SCIP, CBC or CP-SAT on
 request). x are binary; y may be continuous: with integral x the flow
 constraints force them to 0/1. The objective is in microseconds.
@@ -31,7 +32,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.errors import InfeasibleError
 from autopar.passes.recompute import NONE, Recomputation
-from autopar.timeline import Timeline, first_consumers
+from autopar.timeline import SyncWindow, Timeline, first_consumers
 
 US = 1e6  # objective unit: microseconds
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
@@ -118,11 +119,10 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                         for st in strats]
     # Gradient synchronisation hides under backward compute where the cluster
     # overlaps them (Cluster.overlap_grad_sync): the objective then pays only
-    # the exposed part, max(0, sync - backward compute) (see after the first
-    # solve). The optimizer step is priced per parameter shard.
+    # the exposed part (timeline.SyncWindow; see after the first solve). The
+    # optimizer step is priced per parameter shard.
     overlap = ctx.cluster.overlap_grad_sync
-    sync: dict = {}  # variable -> gradient-sync microseconds
-    backward_us: dict = {}  # variable -> backward compute microseconds (with recomputation)
+    window = SyncWindow(graph)
     for name in graph.nodes:
         r = rep[name]
         again = name in redo
@@ -132,7 +132,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx, kept_share.get(name, 0.0))
             b += f if again else 0.0  # the forward runs again in backward
             add(objective, x[r][i], (f + b + opt) * US)
-            add(backward_us, x[r][i], b * US if overlap else 0.0)
+            if overlap:
+                window.compute(name, x[r][i], b * US)
             add(always, x[r][i], kept_all)
             add(mem, x[r][i], kept_all + acts)
             add(late, x[r][i], later)
@@ -165,11 +166,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     edges, replayed = Counter(), Counter()
     producers: dict = {}  # edge key -> the producer instances behind it
     keeping: dict = {}  # edge key -> {producer instance: consumer instance}
+    instances: dict = {}  # edge key -> its consumer instances
     for node in graph.nodes.values():
         for idx, src in enumerate(node.inputs):
             key = (rep[src], rep[node.name], idx)
             edges[key] += 1
             producers.setdefault(key, set()).add(src)
+            instances.setdefault(key, []).append(node.name)
             keeping.setdefault(key, {}).setdefault(src, first_use[src])
             if node.name in redo:
                 replayed[key] += 1
@@ -203,14 +206,15 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 again = replayed[src, dst, idx] + (plain if replays(regather, False, dst in grad) else 0)
                 unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
                 replay[p, key] = seconds(f) * again * US
-                synced[p, key] = seconds(b) * times * US if hides else 0.0
+                synced[p, key] = seconds(b) * US if hides else 0.0  # per instance
                 held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved)
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
             for v in terms:
                 add(objective, v, replay[p, key])
-                add(sync, v, synced[p, key])
+                for consumer in instances[src, dst, idx] if synced[p, key] else ():
+                    window.sync(consumer, v, synced[p, key])
             if unit[p, key] or held[p, key]:
                 item = not shares_reshard(graph.nodes[dst])
                 group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
@@ -314,27 +318,34 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     result = snapshot(names[status]) if status in ok else None
     if overlap and status in ok:
-        # Solved with gradient sync free. If the plan's sync outlasts its
-        # backward compute, price the exposed part, max(0, sync - backward),
-        # with a variable above both, and solve again. (The first optimum is
-        # exact when its sync hides: no plan costs less with the exposed part.)
-        # If the second solve finds nothing in the time left, the first plan
-        # stands, priced with its exposed sync (status FEASIBLE).
-        value = lambda table: sum(c * v.solution_value() for v, c in table.items())  # noqa: E731
-        busy = value(backward_us)
-        short = value(sync) - busy
+        # Solved with gradient sync free. If some of the plan's sync cannot
+        # hide (timeline.SyncWindow), price the exposed part with a variable
+        # above each of its lower bounds, and solve again. (The first optimum
+        # is exact when its sync hides: no plan costs less with the exposed
+        # part.) If the second solve finds nothing in the time left, the first
+        # plan stands, priced with its exposed sync (status FEASIBLE).
+        short = window.exposed(lambda v: v.solution_value())
         left = time_limit_s - (time.perf_counter() - t0)
-        if short > busy * 1e-9:
+        if short > 1e-9:
             result = snapshot("FEASIBLE", short)
-        if short > busy * 1e-9 and left > 1.0:
+        if short > 1e-9 and left > 1.0:
             exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
             obj.SetCoefficient(exposed, 1.0)
-            row = model.Constraint(0.0, model.infinity())  # exposed - sync + backward >= 0
-            row.SetCoefficient(exposed, 1.0)
-            for v, c in backward_us.items():
-                row.SetCoefficient(v, c)
-            for v, c in sync.items():
-                row.SetCoefficient(v, row.GetCoefficient(v) - c)
+            previous = None
+            for syncs, compute in window.points():  # D_k = D_k-1 + syncs - compute; exposed >= D_k
+                d = model.NumVar(-model.infinity(), model.infinity(), "")
+                link = model.Constraint(0.0, 0.0)
+                link.SetCoefficient(d, 1.0)
+                if previous is not None:
+                    link.SetCoefficient(previous, -1.0)
+                for v, c in syncs.items():
+                    link.SetCoefficient(v, -c)
+                for v, c in compute.items():
+                    link.SetCoefficient(v, link.GetCoefficient(v) + c)
+                row = model.Constraint(0.0, model.infinity())
+                row.SetCoefficient(exposed, 1.0)
+                row.SetCoefficient(d, -1.0)
+                previous = d
             model.SetTimeLimit(int(left * 1000))
             with _quiet_stdout():
                 again = model.Solve(params)

@@ -94,3 +94,56 @@ class Timeline:
             if alive + ws >= sum(best):
                 best = (alive, ws)
         return best
+
+
+class SyncWindow:
+    """Gradient synchronisation hidden under backward compute, per parameter.
+
+    Each parameter's gradient is reduced (all-reduce or reduce-scatter) as
+    soon as its consumer's backward has made it, on the communication stream,
+    one collective after another, while backward computes the ops before that
+    consumer (as PyTorch DDP and FSDP overlap their buckets; Li et al., VLDB
+    2020, sec. 3.2.3; here every parameter is its own bucket, as the emitted
+    programs reduce them). The syncs made at or after op k cannot start before
+    backward reaches k, and only the compute of the ops before k is left to
+    hide them, so the exposed time is at least
+
+        sum of the syncs at positions <= k  -  backward compute of ops before k
+
+    for every k (with k the last op it is the total sync minus the total
+    backward compute); the exposed time is the largest of these, or 0.
+    """
+
+    def __init__(self, graph: Graph):
+        self.position = {name: k for k, name in enumerate(graph.nodes)}
+        self.backward = defaultdict(dict)  # position -> {key: seconds}
+        self.syncs = defaultdict(dict)  # position -> {key: seconds}
+
+    def compute(self, name: str, key, seconds: float) -> None:
+        Timeline._add(self.backward[self.position[name]], key, seconds)
+
+    def sync(self, consumer: str, key, seconds: float) -> None:
+        """A gradient reduced after ``consumer``'s backward."""
+        Timeline._add(self.syncs[self.position[consumer]], key, seconds)
+
+    def points(self):
+        """(syncs since the previous point, backward compute since it) at each
+        position with a sync, in program order: the running sum of the first
+        minus the second is the exposed time's lower bound there."""
+        syncs, compute = {}, {}
+        for k in range(len(self.position)):
+            for key, t in self.syncs.get(k, {}).items():
+                Timeline._add(syncs, key, t)
+            if self.syncs.get(k):
+                yield syncs, compute
+                syncs, compute = {}, {}
+            for key, t in self.backward.get(k, {}).items():
+                Timeline._add(compute, key, t)
+
+    def exposed(self, value=lambda key: 1.0) -> float:
+        total = lambda table: sum(t * value(k) for k, t in table.items())  # noqa: E731
+        running, worst = 0.0, 0.0
+        for syncs, compute in self.points():
+            running += total(syncs) - total(compute)
+            worst = max(worst, running)
+        return worst

@@ -216,3 +216,40 @@ def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeyp
         replaced = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
     assert replaced.solver["cache"] == "miss" and "unreadable" in caplog.text
     assert autopar.Plan.from_json(json.loads(entry.read_text())).nodes == first.nodes
+
+
+def test_sync_window_exposes_what_the_backward_left_cannot_hide():
+    """A gradient made after op k's backward is reduced while backward
+    computes the ops before k, one collective after another: the first op's
+    parameters' sync has nothing left to hide under."""
+    from types import SimpleNamespace
+    from autopar.timeline import SyncWindow
+    window = SyncWindow(SimpleNamespace(nodes=dict.fromkeys(["embed", "mid", "head"])))
+    for op in ("embed", "mid", "head"):
+        window.compute(op, None, 1.0)
+    window.sync("embed", None, 2.0)
+    window.sync("head", None, 0.5)
+    # the total (2.5) is less than the backward compute (3), yet 2 cannot hide
+    assert window.exposed() == pytest.approx(2.0)
+    late = SyncWindow(SimpleNamespace(nodes=dict.fromkeys(["embed", "mid", "head"])))
+    for op in ("embed", "mid", "head"):
+        late.compute(op, None, 1.0)
+    late.sync("head", None, 2.5)  # made first, hidden under mid and embed but for 0.5
+    assert late.exposed() == pytest.approx(0.5)
+
+
+def test_plan_prices_the_sync_that_cannot_hide():
+    """The planned step pays the exposed gradient sync (the solver prices it
+    the same way); without overlap it pays all of it."""
+    from autopar.runtime import load_factory
+    model, inputs, loss = load_factory("examples/gpt.py:demo")
+    plan = autopar.compile(model, inputs, mesh=(2, 2), cluster="dgx-a100", loss_fn=loss)
+    p = plan.predicted
+    assert plan.solver["objective"] == pytest.approx(p["step_time_s"])
+    # the whole sync is shorter than the backward compute, yet the first
+    # layer's gradients, made last, leave part of their sync exposed
+    assert p["grad_sync_s"] < p["compute_s"] / 2 and 0 < p["grad_sync_exposed_s"] < p["grad_sync_s"]
+    assert p["step_time_s"] == pytest.approx(p["compute_s"] + p["comm_s"] + p["optimizer_s"])
+    serial = {**plan.cluster, "name": "no-overlap", "overlap_grad_sync": False}
+    plan = autopar.compile(model, inputs, mesh=(2, 2), cluster=serial, loss_fn=loss)
+    assert plan.predicted["grad_sync_exposed_s"] == plan.predicted["grad_sync_s"]
