@@ -310,7 +310,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                     comm += m.seconds
                     if phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM:
                         sync_s += m.seconds
-                        window.sync(node.name, None, m.seconds)
+                        window.sync(node.name, None, m.seconds, ctx.links[m.axis].levels)
                     collectives.append({
                         "kind": m.kind.value, "phase": phase, "mesh_axes": [mesh.names[m.axis]],
                         "bytes": m.nbytes, "seconds": m.seconds, "node": node.name, "producer": src,

@@ -16,6 +16,7 @@ constraints force them to 0/1. The objective is in microseconds.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -71,159 +72,233 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     """``classes`` maps a node to the representative whose variables it shares
     (passes/cluster.py); its costs and memory add onto the representative's.
     The regions ``recomputed`` names keep only their inputs for backward and
-    run their forward twice; one layer's regions are live during its backward.
-    ``optimizer_step`` False leaves the optimizer update out of the objective
-    (a pipeline stage's graph is one microbatch; the update runs once a step)."""
+    run their forward twice; their activations are alive again only during
+    their own backward. ``optimizer_step`` False leaves the optimizer update
+    out of the objective (a pipeline stage's graph is one microbatch; the
+    update runs once a step)."""
     t0 = time.perf_counter()
-    grad = needs_grad(graph)
-    kept_share = recomputed.kept_share(graph)
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
-    rep = classes or {name: name for name in graph.nodes}
-    with _quiet_stdout():
-        model = pywraplp.Solver.CreateSolver(backend)
-    model.SuppressOutput()
-    n_axes = len(ctx.mesh_shape)
-    objective: dict = {}  # variable -> coefficient
-    # Peak memory = what is always held (parameters, optimizer state, inputs)
-    # + max(activations alive at some op's backward plus its working set
-    # (autopar/timeline.py), gradients and the optimizer step's temporaries).
-    # `always` and `late` are variable -> bytes; `mem` sums every byte any
-    # choice keeps, an upper bound used to tell when memory cannot bind.
-    always: dict = {}
-    late: dict = {}
-    mem: dict = {}
-    timeline = Timeline(graph, recomputed)
+    ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend)
+    ilp.choose_strategies(pinned, optimizer_step)
+    ilp.working_sets()
+    ilp.reshard_edges()
+    pruned = ilp.prune_dominated(memory_budget, pinned)
+    rows = ilp.budget_rows(memory_budget) if memory_budget is not None else []
+    result, status, params = ilp.solve(time_limit_s, relative_gap)
+    if result is not None and ilp.overlap:
+        result = ilp.price_exposed_sync(result, params, time_limit_s - (time.perf_counter() - t0))
+    wall = time.perf_counter() - t0
+    if result is None:
+        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
+            need = ilp.least_memory(rows, params)
+            raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
+        raise InfeasibleError(f"the ILP found no plan: solver status {_NAMES.get(status, status)}")
+    chosen, used, value, bound, status_name = result
+    choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
+    model = ilp.model
+    return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
+                    {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
+                     "memory_never_binds": memory_budget is None or ilp.most <= memory_budget, "pruned": pruned,
+                     "backend": backend, "solved_nodes": len(ilp.count),
+                     "clustered_nodes": len(graph.nodes) - len(ilp.count)})
 
-    def add(table, var, c):
-        if c:
-            table[var] = table.get(var, 0.0) + c
 
-    count = Counter(rep[name] for name in graph.nodes)
-    redo = recomputed.nodes
-    x = {}
-    priced = {}
-    for name in count:
-        strats = strategies[name]
-        x[name] = [model.BoolVar(f"x_{name}_{i}") for i in range(len(strats))]
-        one = model.Constraint(1, 1)
-        for v in x[name]:
-            one.SetCoefficient(v, 1)
-        if pinned and name in pinned:
-            for i, v in enumerate(x[name]):
-                if i != pinned[name]:
-                    v.SetUb(0)
-        node, backward = graph.nodes[name], name in grad
-        priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
-                         optimizer_time(node, st, ctx) if optimizer_step else 0.0)
-                        for st in strats]
-    # Gradient synchronisation hides under backward compute where the cluster
-    # overlaps them (Cluster.overlap_grad_sync): the objective then pays only
-    # the exposed part (timeline.SyncWindow; see after the first solve). The
-    # optimizer step is priced per parameter shard.
-    overlap = ctx.cluster.overlap_grad_sync
-    window = SyncWindow(graph)
-    for name in graph.nodes:
-        r = rep[name]
-        again = name in redo
-        own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
-        for i, ((f, b), (kept_all, acts, later), opt) in enumerate(priced[r]):
-            if own:
-                kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx, kept_share.get(name, 0.0))
-            b += f if again else 0.0  # the forward runs again in backward
-            add(objective, x[r][i], (f + b + opt) * US)
-            if overlap:
-                window.compute(name, x[r][i], b * US)
-            add(always, x[r][i], kept_all)
-            add(mem, x[r][i], kept_all + acts)
-            add(late, x[r][i], later)
-            timeline.activation(name, x[r][i], acts)
+_OK = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+_NAMES = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+          pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
 
-    # Working sets during backward: an op's gradients (graph_costs.
-    # backward_working_set) at the op, and a gathered parameter's full gradient
-    # (graph_costs.gather_transient; an upper bound: a tensor-parallel consumer
-    # of the shard gathers nothing) at its first consumer.
-    first_use = first_consumers(graph)
-    largest_transient = 0.0
-    for name in graph.nodes:
-        node, r = graph.nodes[name], rep[name]
-        if name not in grad:
-            continue
-        at = name if node.kind is NodeKind.OP else first_use.get(name)
-        if at is None:
-            continue
-        terms = {x[r][i]: (param_transient(node, st, ctx) if node.kind is NodeKind.PARAM
-                           else backward_working_set(graph, node, st, ctx, grad))
-                 for i, st in enumerate(strategies[r])}
-        terms = {v: b for v, b in terms.items() if b}
-        largest_transient = max(largest_transient, *terms.values(), 0.0)
-        timeline.working_set(at, terms)
 
-    # Edges with the same representatives share variables; `replayed` counts
-    # the recomputed consumers (their forward collectives run again) and
-    # `plain` the others. `keeping`: per edge key, each producer instance and
-    # its first consumer (where the timeline places a kept resharded copy).
-    edges, replayed = Counter(), Counter()
-    producers: dict = {}  # edge key -> the producer instances behind it
-    keeping: dict = {}  # edge key -> {producer instance: consumer instance}
-    instances: dict = {}  # edge key -> its consumer instances
-    for node in graph.nodes.values():
-        for idx, src in enumerate(node.inputs):
-            key = (rep[src], rep[node.name], idx)
-            edges[key] += 1
-            producers.setdefault(key, set()).add(src)
-            instances.setdefault(key, []).append(node.name)
-            keeping.setdefault(key, {}).setdefault(src, first_use[src])
-            if node.name in redo:
-                replayed[key] += 1
-    # A reshard is shared by every consumer of one producer that wants the same
-    # placement (codegen emits it once; the consumers' gradients meet there and
-    # go back in one collective): its cost is paid once per producer instance,
-    # through a variable above each edge's choice of it.
-    shared: dict = {}  # (producer, choice p, key) -> [seconds per instance, producer instances, [selections], bytes]
-    edge_vars: list = []  # the y variables of each edge
-    used_vars: list = []  # a shared reshard's variable (used by some edge)
-    for (src, dst, idx), times in edges.items():
-        prod, cons = strategies[src], strategies[dst]
+def _add(table: dict, var, c: float) -> None:
+    if c:
+        table[var] = table.get(var, 0.0) + c
+
+
+class _ILP:
+    """The model under construction, one phase per method (``solve`` runs them).
+
+    Tables map a variable to its coefficient: ``objective`` in microseconds;
+    ``always`` the bytes held all step (parameters, optimizer state, inputs),
+    ``late`` those plus gradients and the optimizer step's temporaries, ``mem``
+    every byte any choice keeps (an upper bound, to tell when memory cannot
+    bind). Activations and working sets go on ``timeline`` (autopar/
+    timeline.py), gradient syncs and backward compute on ``window``."""
+
+    def __init__(self, graph: Graph, strategies: dict, ctx: CostContext, classes: dict | None,
+                 recomputed: Recomputation, backend: str):
+        self.graph, self.strategies, self.ctx, self.recomputed = graph, strategies, ctx, recomputed
+        self.grad = needs_grad(graph)
+        self.kept_share = recomputed.kept_share(graph)
+        self.rep = classes or {name: name for name in graph.nodes}
+        self.count = Counter(self.rep[name] for name in graph.nodes)
+        with _quiet_stdout():
+            self.model = pywraplp.Solver.CreateSolver(backend)
+        self.model.SuppressOutput()
+        self.objective: dict = {}
+        self.always: dict = {}
+        self.late: dict = {}
+        self.mem: dict = {}
+        self.timeline = Timeline(graph, recomputed)
+        # Gradient synchronisation hides under backward compute where the
+        # cluster overlaps them (Cluster.overlap_grad_sync): the objective then
+        # pays only the exposed part (price_exposed_sync).
+        self.overlap = ctx.cluster.overlap_grad_sync
+        self.window = SyncWindow(graph)
+        self.x: dict = {}
+        self.edge_vars: list = []  # the y variables of each edge
+        self.used_vars: list = []  # a shared reshard's variable (used by some edge)
+        self.largest_transient = 0.0
+        self.most = math.inf
+
+    def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
+        """x[n][s]: one binary per strategy of each representative, exactly one
+        chosen; each node's compute, optimizer step and memory on its class's
+        variables."""
+        graph, strategies, ctx, model, kept_share = self.graph, self.strategies, self.ctx, self.model, self.kept_share
+        priced = {}
+        for name in self.count:
+            x = self.x[name] = [model.BoolVar(f"x_{name}_{i}") for i in range(len(strategies[name]))]
+            one = model.Constraint(1, 1)
+            for v in x:
+                one.SetCoefficient(v, 1)
+            if pinned and name in pinned:
+                for i, v in enumerate(x):
+                    if i != pinned[name]:
+                        v.SetUb(0)
+            node, backward = graph.nodes[name], name in self.grad
+            priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
+                             optimizer_time(node, st, ctx) if optimizer_step else 0.0)
+                            for st in strategies[name]]
+        for name in graph.nodes:
+            r = self.rep[name]
+            again = name in self.recomputed.nodes
+            own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
+            for i, ((f, b), (kept_all, acts, later), opt) in enumerate(priced[r]):
+                if own:
+                    kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx,
+                                                   kept_share.get(name, 0.0))
+                b += f if again else 0.0  # the forward runs again in backward
+                v = self.x[r][i]
+                _add(self.objective, v, (f + b + opt) * US)
+                if self.overlap:
+                    self.window.compute(name, v, b * US)
+                _add(self.always, v, kept_all)
+                _add(self.mem, v, kept_all + acts)
+                _add(self.late, v, later)
+                self.timeline.activation(name, v, acts)
+
+    def working_sets(self) -> None:
+        """Working sets during backward: an op's gradients (graph_costs.
+        backward_working_set) at the op, and a gathered parameter's full
+        gradient (graph_costs.gather_transient; an upper bound: a tensor-
+        parallel consumer of the shard gathers nothing) at its first consumer."""
+        graph, first_use = self.graph, first_consumers(self.graph)
+        for name in graph.nodes:
+            node, r = graph.nodes[name], self.rep[name]
+            at = name if node.kind is NodeKind.OP else first_use.get(name)
+            if name not in self.grad or at is None:
+                continue
+            terms = {self.x[r][i]: (param_transient(node, st, self.ctx) if node.kind is NodeKind.PARAM
+                                    else backward_working_set(graph, node, st, self.ctx, self.grad))
+                     for i, st in enumerate(self.strategies[r])}
+            terms = {v: b for v, b in terms.items() if b}
+            self.largest_transient = max(self.largest_transient, *terms.values(), 0.0)
+            self.timeline.working_set(at, terms)
+
+    def reshard_edges(self) -> None:
+        """Each edge's resharding cost on the choices at its two ends (y
+        variables where both ends choose), shared reshards paid once."""
+        graph, rep, redo = self.graph, self.rep, self.recomputed.nodes
+        first_use = first_consumers(graph)
+        # Edges with the same representatives share variables; `replayed`
+        # counts the recomputed consumers (their forward collectives run
+        # again) and `plain` the others. `keeping`: per edge key, each
+        # producer instance and its first consumer (where the timeline places
+        # a kept resharded copy).
+        edges, replayed = Counter(), Counter()
+        producers: dict = {}  # edge key -> the producer instances behind it
+        keeping: dict = {}  # edge key -> {producer instance: consumer instance}
+        instances: dict = {}  # edge key -> its consumer instances
+        for node in graph.nodes.values():
+            for idx, src in enumerate(node.inputs):
+                key = (rep[src], rep[node.name], idx)
+                edges[key] += 1
+                producers.setdefault(key, set()).add(src)
+                instances.setdefault(key, []).append(node.name)
+                keeping.setdefault(key, {}).setdefault(src, first_use[src])
+                if node.name in redo:
+                    replayed[key] += 1
+        # A reshard is shared by every consumer of one producer that wants the
+        # same placement (codegen emits it once; the consumers' gradients meet
+        # there and go back in one collective): its cost is paid once per
+        # producer instance, through a variable above each edge's choice of it.
+        shared: dict = {}  # group -> [seconds per instance, producer instances, [selections], {copies}]
+        for (src, dst, idx), times in edges.items():
+            self._edge(src, dst, idx, times, replayed[src, dst, idx], producers[src, dst, idx],
+                       keeping[src, dst, idx], instances[src, dst, idx], shared)
+        model = self.model
+        for seconds_us, made, selections, copies in shared.values():
+            if len(selections) == 1:
+                for terms in selections:  # one consumer edge: pay on its choice
+                    for v in terms:
+                        _add(self.objective, v, seconds_us * len(made))
+                        for nbytes, consumer in copies.values():
+                            _add(self.mem, v, nbytes)
+                            self.timeline.copy(consumer, v, nbytes)
+                continue
+            used = model.NumVar(0.0, 1.0, "")
+            self.used_vars.append(used)
+            _add(self.objective, used, seconds_us * len(made))
+            for nbytes, consumer in copies.values():
+                _add(self.mem, used, nbytes)
+                self.timeline.copy(consumer, used, nbytes)
+            for terms in selections:
+                row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
+                row.SetCoefficient(used, 1.0)
+                for v in terms:
+                    row.SetCoefficient(v, -1.0)
+
+    def _edge(self, src, dst, idx, times, replayed, producers, keeping, instances, shared) -> None:
+        graph, ctx, x, model = self.graph, self.ctx, self.x, self.model
+        prod, cons = self.strategies[src], self.strategies[dst]
         meta = graph.nodes[src].outputs[0]
-        backward = dst in grad and src in grad
+        backward = dst in self.grad and src in self.grad
         out_groups: dict = {}
         for i, s in enumerate(prod):
             out_groups.setdefault((s.output, s.regather), []).append(i)
         in_groups: dict = {}
         for j, s in enumerate(cons):
-            key = reshard_key(idx, s, n_axes, backward)
-            in_groups.setdefault(key, []).append((j, s))
+            in_groups.setdefault(reshard_key(idx, s, len(ctx.mesh_shape), backward), []).append((j, s))
         unit, replay, held, synced = {}, {}, {}, {}
-        saved = dst in grad and saves_input(graph.nodes[dst])
-        is_param = graph.nodes[src].kind is NodeKind.PARAM
-        hides = overlap and is_param
-        plain = times - replayed[src, dst, idx]
+        saved = dst in self.grad and saves_input(graph.nodes[dst])
+        hides = self.overlap and graph.nodes[src].kind is NodeKind.PARAM
+        plain = times - replayed
         for p in out_groups:
             spec, regather = p
             for key, members in in_groups.items():
                 f, b = edge_moves(spec, members[0][1], idx, meta, ctx, backward)
-                again = replayed[src, dst, idx] + (plain if replays(regather, False, dst in grad) else 0)
+                again = replayed + (plain if replays(regather, False, dst in self.grad) else 0)
                 unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
                 replay[p, key] = seconds(f) * again * US
-                synced[p, key] = seconds(b) * US if hides else 0.0  # per instance
+                synced[p, key] = _on_links(b, ctx) if hides else {}  # per instance, link -> microseconds
                 held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved)
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
             for v in terms:
-                add(objective, v, replay[p, key])
-                for consumer in instances[src, dst, idx] if synced[p, key] else ():
-                    window.sync(consumer, v, synced[p, key])
+                _add(self.objective, v, replay[p, key])
+                for consumer in instances if synced[p, key] else ():
+                    for link, us in synced[p, key].items():
+                        self.window.sync(consumer, v, us, (link,))
             if unit[p, key] or held[p, key]:
                 item = not shares_reshard(graph.nodes[dst])
                 group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
                                           [unit[p, key], set(), [], {}])
-                group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers[src, dst, idx]
+                group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers
                 group[2].append(terms)
                 # one resharded copy per producer instance (per tuple item), kept
                 # for backward if a consumer keeps it; made at its first consumer
-                for inst, consumer in keeping[src, dst, idx].items():
+                for inst, consumer in keeping.items():
                     before = group[3].get(inst, (0.0, consumer))
                     group[3][inst] = (max(before[0], held[p, key]), before[1])
 
@@ -231,17 +306,17 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             (p0,) = out_groups
             for key, members in in_groups.items():
                 charge([x[dst][j] for j, _ in members], p0, key)
-            continue
+            return
         if len(in_groups) == 1:  # the consumer's input is fixed
             (k0,) = in_groups
             for p, members in out_groups.items():
                 charge([x[src][i] for i in members], p, k0)
-            continue
+            return
         y = {}
         for p, key in unit:
             y[p, key] = model.NumVar(0.0, 1.0, "")
             charge([y[p, key]], p, key)
-        edge_vars.append(list(y.values()))
+        self.edge_vars.append(list(y.values()))
         for p, members in out_groups.items():
             row = model.Constraint(0, 0)
             for k in in_groups:
@@ -254,124 +329,114 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                 row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
-    for seconds_us, instances, selections, copies in shared.values():
-        if len(selections) == 1:
-            for terms in selections:  # one consumer edge: pay on its choice
-                for v in terms:
-                    add(objective, v, seconds_us * len(instances))
-                    for nbytes, consumer in copies.values():
-                        add(mem, v, nbytes)
-                        timeline.copy(consumer, v, nbytes)
-            continue
-        used = model.NumVar(0.0, 1.0, "")
-        used_vars.append(used)
-        add(objective, used, seconds_us * len(instances))
-        for nbytes, consumer in copies.values():
-            add(mem, used, nbytes)
-            timeline.copy(consumer, used, nbytes)
-        for terms in selections:
-            row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
-            row.SetCoefficient(used, 1.0)
-            for v in terms:
-                row.SetCoefficient(v, -1.0)
 
-    # The most memory any plan could take: each node's and edge's largest
-    # choice. Under the budget, the row never binds (solution.extra).
-    most = max(sum(max(mem.get(v, 0.0) for v in vs) for vs in x.values())
-               + sum(max(mem.get(v, 0.0) for v in vs) for vs in edge_vars if vs)
-               + sum(mem.get(v, 0.0) for v in used_vars) + largest_transient,
-               sum(max(late.get(v, 0.0) for v in vs) for vs in x.values()))
-    # Dominated choices, fixed off before solving: where memory cannot bind, a
-    # regathered (ZeRO-3) parameter costs what its stage-2 twin costs plus one
-    # more all-gather in backward, and saves only memory.
-    pruned = {}
-    if memory_budget is None or most <= memory_budget:
-        count_off = 0
-        for name, vs in x.items():
-            for i, st in enumerate(strategies[name]):
-                if st.regather and not (pinned and pinned.get(name) == i):
-                    vs[i].SetUb(0)
-                    count_off += 1
-        if count_off:
-            pruned["regather (ZeRO-3) choices: memory cannot bind"] = count_off
-    budget_rows = _budget_rows(model, graph, rep, timeline, always, late, memory_budget) \
-        if memory_budget is not None else []
-    obj = model.Objective()
-    for v, c in objective.items():
-        obj.SetCoefficient(v, c)
-    obj.SetMinimization()
-    model.SetTimeLimit(int(time_limit_s * 1000))
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
-    with _quiet_stdout():
-        status = model.Solve(params)
-    ok = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
-    names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
-             pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
+    def prune_dominated(self, budget: float | None, pinned: dict | None) -> dict:
+        """Fix off dominated choices before solving: where memory cannot bind,
+        a regathered (ZeRO-3) parameter costs what its stage-2 twin costs plus
+        one more all-gather in backward, and saves only memory. ``most`` is
+        the most memory any plan could take (each node's and edge's largest
+        choice); under the budget, memory never binds."""
+        mem, late = self.mem, self.late
+        self.most = max(sum(max(mem.get(v, 0.0) for v in vs) for vs in self.x.values())
+                        + sum(max(mem.get(v, 0.0) for v in vs) for vs in self.edge_vars if vs)
+                        + sum(mem.get(v, 0.0) for v in self.used_vars) + self.largest_transient,
+                        sum(max(late.get(v, 0.0) for v in vs) for vs in self.x.values()))
+        pruned = {}
+        if budget is None or self.most <= budget:
+            count_off = 0
+            for name, vs in self.x.items():
+                for i, st in enumerate(self.strategies[name]):
+                    if st.regather and not (pinned and pinned.get(name) == i):
+                        vs[i].SetUb(0)
+                        count_off += 1
+            if count_off:
+                pruned["regather (ZeRO-3) choices: memory cannot bind"] = count_off
+        return pruned
 
-    def snapshot(status_name: str, extra_us: float = 0.0) -> tuple:
-        chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in x.items()}
+    def budget_rows(self, budget: float) -> list:
+        return _budget_rows(self.model, self.graph, self.rep, self.timeline, self.always, self.late, budget)
+
+    def solve(self, time_limit_s: float, relative_gap: float) -> tuple:
+        """(the solution's snapshot or None, the solver status, its parameters)."""
+        model = self.model
+        self.obj = obj = model.Objective()
+        for v, c in self.objective.items():
+            obj.SetCoefficient(v, c)
+        obj.SetMinimization()
+        model.SetTimeLimit(int(time_limit_s * 1000))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
+        with _quiet_stdout():
+            status = model.Solve(params)
+        return (self.snapshot(_NAMES[status]) if status in _OK else None), status, params
+
+    def snapshot(self, status_name: str, extra_us: float = 0.0) -> tuple:
+        """(choices, memory, objective s, bound s, status) of the current solution."""
+        chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in self.x.items()}
         value = lambda v: 1.0 if v.solution_value() > 0.5 else 0.0  # noqa: E731
         total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
-        used = total(always) + max(sum(timeline.peak(value)), total(late) - total(always))
-        return chosen, used, (obj.Value() + extra_us) / US, obj.BestBound() / US, status_name
+        used = total(self.always) + max(sum(self.timeline.peak(value)), total(self.late) - total(self.always))
+        return chosen, used, (self.obj.Value() + extra_us) / US, self.obj.BestBound() / US, status_name
 
-    result = snapshot(names[status]) if status in ok else None
-    if overlap and status in ok:
-        # Solved with gradient sync free. If some of the plan's sync cannot
-        # hide (timeline.SyncWindow), price the exposed part with a variable
-        # above each of its lower bounds, and solve again. (The first optimum
-        # is exact when its sync hides: no plan costs less with the exposed
-        # part.) If the second solve finds nothing in the time left, the first
-        # plan stands, priced with its exposed sync (status FEASIBLE).
+    def price_exposed_sync(self, result: tuple, params, left_s: float) -> tuple:
+        """Solved with gradient sync free. If some of the plan's sync cannot
+        hide (timeline.SyncWindow), price the exposed part with a variable
+        above each of its lower bounds, and solve again. (The first optimum is
+        exact when its sync hides: no plan costs less with the exposed part.)
+        If the second solve finds nothing in the time left, the first plan
+        stands, priced with its exposed sync (status FEASIBLE)."""
+        model, window = self.model, self.window
         short = window.exposed(lambda v: v.solution_value())
-        left = time_limit_s - (time.perf_counter() - t0)
-        if short > 1e-9:
-            result = snapshot("FEASIBLE", short)
-        if short > 1e-9 and left > 1.0:
-            exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
-            obj.SetCoefficient(exposed, 1.0)
-            previous = None
-            for syncs, compute in window.points():  # D_k = D_k-1 + syncs - compute; exposed >= D_k
-                d = model.NumVar(-model.infinity(), model.infinity(), "")
-                link = model.Constraint(0.0, 0.0)
-                link.SetCoefficient(d, 1.0)
-                if previous is not None:
-                    link.SetCoefficient(previous, -1.0)
-                for v, c in syncs.items():
-                    link.SetCoefficient(v, -c)
-                for v, c in compute.items():
-                    link.SetCoefficient(v, link.GetCoefficient(v) + c)
-                row = model.Constraint(0.0, model.infinity())
-                row.SetCoefficient(exposed, 1.0)
-                row.SetCoefficient(d, -1.0)
-                previous = d
-            model.SetTimeLimit(int(left * 1000))
-            with _quiet_stdout():
-                again = model.Solve(params)
-            if again in ok:
-                result = snapshot(names[again])
-    wall = time.perf_counter() - t0
-    if result is None:
-        if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
-            # the same model, minimising memory without the budget: the least any plan needs
-            peak = model.NumVar(0.0, model.infinity(), "peak")
-            for row in budget_rows:  # peak >= each row
-                row.SetUb(0.0)
-                row.SetCoefficient(peak, -1.0)
-            obj.Clear()
-            obj.SetCoefficient(peak, 1.0)
-            with _quiet_stdout():
-                least = model.Solve(params)
-            need = obj.Value() * 2**20 if least in ok else None
-            raise _infeasible(graph, strategies, ctx, grad, memory_budget, recomputed, need)
-        raise InfeasibleError(f"the ILP found no plan: solver status {names.get(status, status)}")
-    chosen, used, value, bound, status_name = result
-    choice = {name: chosen[rep[name]] for name in graph.nodes}
-    return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
-                    {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
-                     "memory_never_binds": memory_budget is None or most <= memory_budget, "pruned": pruned,
-                     "backend": backend, "solved_nodes": len(count), "clustered_nodes": len(graph.nodes) - len(count)})
+        if short <= 1e-9:
+            return result
+        result = self.snapshot("FEASIBLE", short)
+        if left_s <= 1.0:
+            return result
+        exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
+        self.obj.SetCoefficient(exposed, 1.0)
+        previous, current = None, None
+        for link, syncs, compute in window.points():  # per link: D_k = D_k-1 + syncs - compute; exposed >= D_k
+            previous = previous if link == current else None
+            current = link
+            d = model.NumVar(-model.infinity(), model.infinity(), "")
+            link = model.Constraint(0.0, 0.0)
+            link.SetCoefficient(d, 1.0)
+            if previous is not None:
+                link.SetCoefficient(previous, -1.0)
+            for v, c in syncs.items():
+                link.SetCoefficient(v, -c)
+            for v, c in compute.items():
+                link.SetCoefficient(v, link.GetCoefficient(v) + c)
+            row = model.Constraint(0.0, model.infinity())
+            row.SetCoefficient(exposed, 1.0)
+            row.SetCoefficient(d, -1.0)
+            previous = d
+        model.SetTimeLimit(int(left_s * 1000))
+        with _quiet_stdout():
+            again = model.Solve(params)
+        return self.snapshot(_NAMES[again]) if again in _OK else result
+
+    def least_memory(self, rows: list, params) -> float | None:
+        """The same model, minimising memory without the budget: the least any plan needs."""
+        model = self.model
+        peak = model.NumVar(0.0, model.infinity(), "peak")
+        for row in rows:  # peak >= each row
+            row.SetUb(0.0)
+            row.SetCoefficient(peak, -1.0)
+        self.obj.Clear()
+        self.obj.SetCoefficient(peak, 1.0)
+        with _quiet_stdout():
+            least = model.Solve(params)
+        return self.obj.Value() * 2**20 if least in _OK else None
+
+
+def _on_links(moves: list, ctx: CostContext) -> dict:
+    """Microseconds of ``moves`` on each link they occupy (AxisLinks.levels)."""
+    out: dict = {}
+    for m in moves:
+        for link in ctx.links[m.axis].levels:
+            _add(out, link, m.seconds * US)
+    return out
 
 
 def _sides(node, s, ctx: CostContext, kept: float) -> tuple[float, float, float]:

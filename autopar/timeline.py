@@ -100,50 +100,61 @@ class SyncWindow:
     """Gradient synchronisation hidden under backward compute, per parameter.
 
     Each parameter's gradient is reduced (all-reduce or reduce-scatter) as
-    soon as its consumer's backward has made it, on the communication stream,
-    one collective after another, while backward computes the ops before that
-    consumer (as PyTorch DDP and FSDP overlap their buckets; Li et al., VLDB
-    2020, sec. 3.2.3; here every parameter is its own bucket, as the emitted
-    programs reduce them). The syncs made at or after op k cannot start before
-    backward reaches k, and only the compute of the ops before k is left to
-    hide them, so the exposed time is at least
+    soon as its consumer's backward has made it, one collective after another
+    on each link, while backward computes the ops before that consumer (as
+    PyTorch DDP and FSDP overlap their buckets; Li et al., VLDB 2020, sec.
+    3.2.3; here every parameter is its own bucket, as the emitted programs
+    reduce them). The syncs made at or after op k cannot start before backward
+    reaches k, and only the compute of the ops before k is left to hide them,
+    so on each link the exposed time is at least
 
-        sum of the syncs at positions <= k  -  backward compute of ops before k
+        sum of the syncs at positions <= k on it  -  backward compute of ops before k
 
-    for every k (with k the last op it is the total sync minus the total
-    backward compute); the exposed time is the largest of these, or 0.
+    for every k (with k the last op: that link's total sync minus the total
+    backward compute). Links work at once (intra-node and inter-node syncs do
+    not wait for each other; a hierarchical collective occupies both), so the
+    step's exposed sync is the largest over links and k, or 0. Backward
+    collectives of other tensors are not counted as hiding time: they may
+    hold the same link.
     """
 
     def __init__(self, graph: Graph):
         self.position = {name: k for k, name in enumerate(graph.nodes)}
         self.backward = defaultdict(dict)  # position -> {key: seconds}
-        self.syncs = defaultdict(dict)  # position -> {key: seconds}
+        self.syncs = defaultdict(lambda: defaultdict(dict))  # link -> position -> {key: seconds}
 
     def compute(self, name: str, key, seconds: float) -> None:
         Timeline._add(self.backward[self.position[name]], key, seconds)
 
-    def sync(self, consumer: str, key, seconds: float) -> None:
-        """A gradient reduced after ``consumer``'s backward."""
-        Timeline._add(self.syncs[self.position[consumer]], key, seconds)
+    def sync(self, consumer: str, key, seconds: float, links) -> None:
+        """A gradient reduced after ``consumer``'s backward, on ``links``
+        (AxisLinks.levels of its mesh axis)."""
+        for link in links:
+            Timeline._add(self.syncs[link][self.position[consumer]], key, seconds)
 
     def points(self):
-        """(syncs since the previous point, backward compute since it) at each
-        position with a sync, in program order: the running sum of the first
-        minus the second is the exposed time's lower bound there."""
-        syncs, compute = {}, {}
-        for k in range(len(self.position)):
-            for key, t in self.syncs.get(k, {}).items():
-                Timeline._add(syncs, key, t)
-            if self.syncs.get(k):
-                yield syncs, compute
-                syncs, compute = {}, {}
-            for key, t in self.backward.get(k, {}).items():
-                Timeline._add(compute, key, t)
+        """Per link, (link, syncs since the previous point, backward compute
+        since it) at each position with a sync on it, in program order: the
+        running sum of the second minus the third is a lower bound of the
+        exposed time there (restart it at each new link)."""
+        for link in sorted(self.syncs):
+            at = self.syncs[link]
+            syncs, compute = {}, {}
+            for k in range(len(self.position)):
+                for key, t in at.get(k, {}).items():
+                    Timeline._add(syncs, key, t)
+                if at.get(k):
+                    yield link, syncs, compute
+                    syncs, compute = {}, {}
+                for key, t in self.backward.get(k, {}).items():
+                    Timeline._add(compute, key, t)
 
     def exposed(self, value=lambda key: 1.0) -> float:
         total = lambda table: sum(t * value(k) for k, t in table.items())  # noqa: E731
-        running, worst = 0.0, 0.0
-        for syncs, compute in self.points():
+        running, worst, current = 0.0, 0.0, None
+        for link, syncs, compute in self.points():
+            running = 0.0 if link != current else running
+            current = link
             running += total(syncs) - total(compute)
             worst = max(worst, running)
         return worst

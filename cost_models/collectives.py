@@ -56,6 +56,17 @@ class AxisLinks:
     def spans_nodes(self) -> bool:
         return self.inter > 1
 
+    @property
+    def levels(self) -> frozenset:
+        """The links its collectives occupy: "intra" (inside a node), "inter"
+        (between nodes), both for a hierarchical group, none for size 1."""
+        return frozenset(level for level, n in (("intra", self.intra), ("inter", self.inter)) if n > 1)
+
+    def shares_link(self, other: "AxisLinks") -> bool:
+        """Whether collectives on the two axes compete for the same link (run
+        at once, each gets part of its bandwidth; one behind the other here)."""
+        return bool(self.levels & other.levels)
+
 
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> list[AxisLinks]:
     out = []

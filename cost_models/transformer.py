@@ -665,8 +665,11 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     the updated parameters after the optimizer step (not overlapped); 3: per
     microbatch, all-gather each layer's parameters for forward (and recompute)
     and backward and reduce-scatter its gradients, each prefetched under the
-    previous layer's compute. Without overlap the gradients go in one
-    collective over the whole flat buffer after the backward."""
+    previous layer's compute. With overlap the buckets hide under the
+    backward compute, and under the tensor-parallel collectives where those
+    run on another link (AxisLinks.shares_link). Without overlap the
+    gradients go in one collective over the whole flat buffer after the
+    backward."""
     e = plan.precision.elem_bytes
     if plan.dp == 1:
         return 0.0
@@ -676,7 +679,9 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     kind = Collective.ALL_REDUCE if plan.zero == 0 else Collective.REDUCE_SCATTER
     if plan.overlap_grad_reduce:
         total, last = _bucketed(kind, params * e, fabric)
-        window = stage.compute.backward + stage.compute.recompute + stage.tp_comm.backward + stage.tp_comm.recompute
+        window = stage.compute.backward + stage.compute.recompute
+        if not fabric.tp.shares_link(fabric.dp):  # e.g. tp on NVLink, dp between nodes: both run at once
+            window += stage.tp_comm.backward + stage.tp_comm.recompute
         exposed = max(total - window, last)
     else:
         exposed = fabric.time(kind, params * e, "dp")

@@ -203,6 +203,24 @@ def test_tensor_parallelism_across_nodes_is_slower():
     assert across.time.tp_comm_s > 2 * inside.time.tp_comm_s
 
 
+def test_concurrent_axes_share_a_link_only_on_the_same_level():
+    """Data-parallel buckets hide under backward compute, and under the
+    tensor-parallel collectives only where those run on another link: the
+    same 8 GPUs as one node (tp and dp on NVSwitch) expose more gradient sync
+    than as two nodes whose network is as fast (dp between nodes)."""
+    one = dataclasses.replace(A100, name="one-node", devices_per_node=8)
+    two = dataclasses.replace(A100, name="two-nodes", devices_per_node=4, inter_node=A100.intra_node)
+    tp, dp = axis_links(one, (1, 2, 4))[1:][::-1]
+    assert tp.shares_link(dp) and tp.levels == dp.levels == {"intra"}
+    tp2, dp2 = axis_links(two, (1, 2, 4))[1:][::-1]
+    assert not tp2.shares_link(dp2) and dp2.levels == {"inter"}
+    model = TransformerConfig(layers=4, hidden=4096, heads=32, seq=128, vocab=51200)  # short: sync > compute
+    shared = _estimate(model, cluster=one, nodes=1, batch=2, tp=4, dp=2)
+    apart = _estimate(model, cluster=two, nodes=2, batch=2, tp=4, dp=2)
+    assert shared.time.tp_comm_s == pytest.approx(apart.time.tp_comm_s)
+    assert shared.time.dp_comm_s > apart.time.dp_comm_s
+
+
 def test_megatron_table_mape():
     validation = _validation_module()
     results = validation.predict_megatron()

@@ -227,15 +227,20 @@ def test_sync_window_exposes_what_the_backward_left_cannot_hide():
     window = SyncWindow(SimpleNamespace(nodes=dict.fromkeys(["embed", "mid", "head"])))
     for op in ("embed", "mid", "head"):
         window.compute(op, None, 1.0)
-    window.sync("embed", None, 2.0)
-    window.sync("head", None, 0.5)
+    window.sync("embed", None, 2.0, {"intra"})
+    window.sync("head", None, 0.5, {"intra"})
     # the total (2.5) is less than the backward compute (3), yet 2 cannot hide
     assert window.exposed() == pytest.approx(2.0)
     late = SyncWindow(SimpleNamespace(nodes=dict.fromkeys(["embed", "mid", "head"])))
     for op in ("embed", "mid", "head"):
         late.compute(op, None, 1.0)
-    late.sync("head", None, 2.5)  # made first, hidden under mid and embed but for 0.5
+    late.sync("head", None, 2.5, {"intra"})  # made first, hidden under mid and embed but for 0.5
     assert late.exposed() == pytest.approx(0.5)
+    # on another link it does not wait for the first: each link is its own stream
+    window.sync("head", None, 2.5, {"inter"})
+    assert window.exposed() == pytest.approx(2.0)
+    window.sync("head", None, 3.0, {"intra", "inter"})  # hierarchical: on both, behind each link's queue
+    assert window.exposed() == pytest.approx(2.0 + 0.5 + 3.0 - 2.0)
 
 
 def test_plan_prices_the_sync_that_cannot_hide():
