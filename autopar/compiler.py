@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -181,13 +182,23 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
             continue
         seen.add(rc.regions)
         tried.append((name, rc))
-    best, errors, candidates = None, [], []
-    for k, (name, rc) in enumerate(tried):
-        label = _label(name, rc)
+    def solve_one(rc):
         try:
-            sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes, recomputed=rc, **options)
+            return solve(graph, strategies, ctx, memory_budget=budget, classes=classes, recomputed=rc, **options)
         except InfeasibleError as e:
-            errors.append(e)
+            return e
+
+    # The first option alone (with no recomputation, memory may never bind and
+    # end the search), then the others at once where cores allow.
+    results = [solve_one(tried[0][1])]
+    first_done = not isinstance(results[0], InfeasibleError) and results[0].extra.get("memory_never_binds")
+    if len(tried) > 1 and not (first_done and mode == "auto" and tried[0][1] is NONE):
+        results += _in_parallel(solve_one, [rc for _, rc in tried[1:]])
+    best, errors, candidates = None, [], []
+    for k, ((name, rc), sol) in enumerate(zip(tried, results)):
+        label = _label(name, rc)
+        if isinstance(sol, InfeasibleError):
+            errors.append(sol)
             candidates.append({"recompute": label, "status": "INFEASIBLE"})
             continue
         never_binds = sol.extra.pop("memory_never_binds", False)
@@ -205,6 +216,41 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     sol, rc = best
     sol.extra["recompute_candidates"] = candidates
     return sol, rc
+
+
+SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))
+"""Processes that solve independent ILPs (the recomputation options) at once;
+``AUTOPAR_SOLVE_WORKERS=1`` solves them one after another."""
+
+_FORKED: dict = {}  # what forked workers solve: set before the fork, read in the child
+
+
+def _in_parallel(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, in forked worker processes where more than
+    one core is free and fork is available (the workers inherit the traced
+    graph instead of pickling it); results are Solutions or InfeasibleErrors,
+    in order, the same as solving them one by one."""
+    import multiprocessing
+    import torch.distributed as dist
+    workers = min(SOLVE_WORKERS, len(items))
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods() \
+            or (dist.is_available() and dist.is_initialized()):  # never fork a process in a process group
+        return [fn(x) for x in items]
+    from concurrent.futures import ProcessPoolExecutor
+    _FORKED["fn"], _FORKED["items"] = fn, items
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            out = list(pool.map(_forked_solve, range(len(items))))
+    finally:
+        _FORKED.clear()
+    return [InfeasibleError(r[1], needed_bytes=r[2]) if isinstance(r, tuple) else r for r in out]
+
+
+def _forked_solve(i: int):
+    out = _FORKED["fn"](_FORKED["items"][i])
+    if isinstance(out, InfeasibleError):  # sent back as plain values
+        return ("infeasible", str(out), out.needed_bytes)
+    return out
 
 
 def _label(name: str, rc) -> str:

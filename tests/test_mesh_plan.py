@@ -1,4 +1,5 @@
 """Value types: meshes, placements, plan files."""
+import copy
 import json
 
 import pytest
@@ -91,29 +92,42 @@ def test_corrupt_plan(tmp_path):
 
 
 def test_wrong_version_plan(plan, tmp_path):
-    obj = plan.to_json()
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     obj["schema"] = "autopar.plan/0"
     with pytest.raises(PlanError, match="this autopar reads 'autopar.plan/1'"):
         autopar.Plan.from_json(obj)
 
 
 def test_plan_missing_field(plan):
-    obj = plan.to_json()
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     del obj["collectives"]
     with pytest.raises(PlanError, match="required field 'collectives'"):
         autopar.Plan.from_json(obj)
 
 
 def test_plan_bad_collective_kind(plan):
-    obj = plan.to_json()
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     obj["collectives"] = [{"kind": "broadcastish", "phase": "forward"}]
     with pytest.raises(PlanError, match="not one of"):
         autopar.Plan.from_json(obj)
 
 
 def test_plan_placements_must_fit_mesh(plan):
-    obj = plan.to_json()
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     fqn = next(iter(obj["parameters"]))
     obj["parameters"][fqn]["placements"] = ["R", "R"]
     with pytest.raises(PlanError, match="has 2 placements; the mesh has 1 axes"):
         autopar.Plan.from_json(obj)
+
+
+def test_plan_recompute_regions_must_name_ops_of_the_model(plan):
+    """A plan whose recomputed regions name nodes the model does not have
+    (edited, or compiled for another model) is refused at codegen, by name."""
+    from autopar.capture import capture
+    from autopar.codegen import build_program
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=64)
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
+    obj["recompute"] = {"mode": "selective", "layers": ["layers.0"], "regions": [["no_such_node"]]}
+    with pytest.raises(PlanError, match=r"recompute entry does not fit this model: .*'no_such_node'"):
+        build_program(capture(model, inputs, loss), autopar.Plan.from_json(obj))

@@ -258,3 +258,18 @@ def test_plan_prices_the_sync_that_cannot_hide():
     serial = {**plan.cluster, "name": "no-overlap", "overlap_grad_sync": False}
     plan = autopar.compile(model, inputs, mesh=(2, 2), cluster=serial, loss_fn=loss)
     assert plan.predicted["grad_sync_exposed_s"] == plan.predicted["grad_sync_s"]
+
+
+def test_recomputation_options_solved_in_parallel_give_the_same_plan(monkeypatch):
+    """The options after the first (selective, full) are solved at once in
+    forked workers; the plan is byte-identical to solving them one by one."""
+    import autopar.compiler as compiler
+    from autopar.runtime import load_factory
+    model, inputs, loss = load_factory("examples/gpt.py:explicit")
+    kw = dict(mesh=2, cluster="tests/fixtures/fastnet.json", loss_fn=loss, memory=8 * 2**20, deterministic=True)
+    plans = {}
+    for workers in (1, 2):
+        monkeypatch.setattr(compiler, "SOLVE_WORKERS", workers)
+        plans[workers] = autopar.compile(model, inputs, **kw)
+    assert [c["status"] for c in plans[2].recompute["candidates"]].count("OPTIMAL") >= 2
+    assert plans[1].dumps() == plans[2].dumps()
