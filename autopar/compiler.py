@@ -227,14 +227,15 @@ _FORKED: dict = {}  # what forked workers solve: set before the fork, read in th
 
 def _in_parallel(fn, items: list) -> list:
     """``[fn(x) for x in items]``, in forked worker processes where more than
-    one core is free and fork is available (the workers inherit the traced
-    graph instead of pickling it); results are Solutions or InfeasibleErrors,
+    one core is free, on Linux (the workers inherit the traced graph instead
+    of pickling it); results are Solutions or InfeasibleErrors,
     in order, the same as solving them one by one."""
     import multiprocessing
     import torch.distributed as dist
     workers = min(SOLVE_WORKERS, len(items))
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods() \
-            or (dist.is_available() and dist.is_initialized()):  # never fork a process in a process group
+    # fork only where it is the platform's default (Linux: macOS frameworks do
+    # not survive it), and never a process in a process group
+    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
         return [fn(x) for x in items]
     from concurrent.futures import ProcessPoolExecutor
     _FORKED["fn"], _FORKED["items"] = fn, items
