@@ -48,15 +48,18 @@ class Node:
 
     @property
     def op_name(self) -> str:
-        if self.kind is not NodeKind.OP:
-            return self.kind.value
-        if self.target is operator.getitem:
-            return "getitem"
-        return str(self.target).replace("aten.", "").replace(".default", "")
+        return op_label(self.target) if self.kind is NodeKind.OP else self.kind.value
 
     @property
     def out(self) -> TensorMeta:
         return self.outputs[0]
+
+
+def op_label(target) -> str:
+    """How plans name an op: "linear", "transpose.int", "getitem"."""
+    if target is operator.getitem:
+        return "getitem"
+    return str(target).replace("aten.", "").replace(".default", "")
 
 
 @dataclass

@@ -188,11 +188,15 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         except InfeasibleError as e:
             return e
 
-    # The first option alone (with no recomputation, memory may never bind and
-    # end the search), then the others at once where cores allow.
+    def settles(rc, sol) -> bool:
+        """Without recomputation, memory never binds: recomputing only adds time."""
+        return mode == "auto" and rc is NONE and not isinstance(sol, InfeasibleError) \
+            and sol.extra.get("memory_never_binds", False)
+
+    # The first option alone (it may settle the search), then the others at
+    # once where cores allow.
     results = [solve_one(tried[0][1])]
-    first_done = not isinstance(results[0], InfeasibleError) and results[0].extra.get("memory_never_binds")
-    if len(tried) > 1 and not (first_done and mode == "auto" and tried[0][1] is NONE):
+    if len(tried) > 1 and not settles(tried[0][1], results[0]):
         results += _in_parallel(solve_one, [rc for _, rc in tried[1:]])
     best, errors, candidates = None, [], []
     for k, ((name, rc), sol) in enumerate(zip(tried, results)):
@@ -201,16 +205,14 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
             errors.append(sol)
             candidates.append({"recompute": label, "status": "INFEASIBLE"})
             continue
-        never_binds = sol.extra.pop("memory_never_binds", False)
         candidates.append({"recompute": label, "status": sol.status,
                            "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})
         if best is None or sol.objective_s < best[0].objective_s:
             best = (sol, rc)
-        if not rc.regions and never_binds and mode == "auto":
-            # no plan can exceed the budget, so recomputation only adds time
+        if settles(rc, sol):
             candidates += [{"recompute": _label(n, r), "status": "SKIPPED (memory never binds)"}
                            for n, r in tried[k + 1:]]
-            break
+        sol.extra.pop("memory_never_binds", None)
     if best is None:
         raise min(errors, key=lambda e: e.needed_bytes if e.needed_bytes is not None else float("inf"))
     sol, rc = best

@@ -1049,27 +1049,26 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, **options)
     accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
                       source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
+    accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
     if PP_AXIS in mesh.names:
         p = mesh.shape[mesh.names.index(PP_AXIS)]
         if stages is not None and stages != p:
             raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
                                f"coordinate of its pp axis; use a mesh with pp={stages}")
-        if p == 1 and microbatches in (None, 1):
+        if p == 1 and not accumulates:
             return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
         return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
+    if stages == 1 and not accumulates:
+        return compile_flat(model, example_inputs, mesh=mesh, **flat)
     if stages == 1:
-        if microbatches in (None, 1):
-            return compile_flat(model, example_inputs, mesh=mesh, **flat)
         return _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
                             recompute=recompute, reuse_layers=reuse_layers, margin=margin,
                             max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, **options)
     if not found.pipeline:
-        if microbatches in (None, 1):
-            plan = compile_flat(model, example_inputs, mesh=mesh, **flat)
-        else:  # gradient accumulation: a pipeline of one stage
-            plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
+        plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate) \
+            if accumulates else compile_flat(model, example_inputs, mesh=mesh, **flat)
         plan.solver["pipeline_search"] = found.summary()
         return plan
     best = found.pipelined

@@ -38,8 +38,6 @@ def layer_class(fqn: str) -> str:
 
 
 ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
-_VIEWS = {"view", "reshape", "transpose.int", "alias", "expand", "unsqueeze", "permute", "getitem"}
-"""Op names left out when a recomputed region's ops are listed."""
 """How each parameter is held (autopar.compiler.zero_stage)."""
 
 
@@ -138,8 +136,11 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     if plan.recompute.get("layers"):
         layers, regions = plan.recompute["layers"], plan.recompute.get("regions")
         if regions:  # selective: name the ops of one region
+            from autopar.capture import op_label
+            from autopar.cost_models.graph_costs import VIEW_OPS
+            views = {op_label(t) for t in VIEW_OPS}  # left out of the listing
             ops = {n.name: n.op for n in plan.nodes}
-            kinds = list(dict.fromkeys(ops[n] for n in regions[0] if ops.get(n) not in _VIEWS))
+            kinds = list(dict.fromkeys(ops[n] for n in regions[0] if ops.get(n) not in views))
             con.print(f"recomputed in backward (selective): {len(regions)} regions in {len(layers)} layers "
                       f"({layers[0]} .. {layers[-1]}), e.g. {', '.join(kinds)}")
         else:

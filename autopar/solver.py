@@ -33,7 +33,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.errors import InfeasibleError
 from autopar.passes.recompute import NONE, Recomputation
-from autopar.timeline import SyncWindow, Timeline, first_consumers
+from autopar.timeline import SyncWindow, Timeline, add as _add, first_consumers
 
 US = 1e6  # objective unit: microseconds
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
@@ -109,11 +109,6 @@ _NAMES = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBL
           pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
 
 
-def _add(table: dict, var, c: float) -> None:
-    if c:
-        table[var] = table.get(var, 0.0) + c
-
-
 class _ILP:
     """The model under construction, one phase per method (``solve`` runs them).
 
@@ -139,6 +134,7 @@ class _ILP:
         self.late: dict = {}
         self.mem: dict = {}
         self.timeline = Timeline(graph, recomputed)
+        self.first_use = first_consumers(graph)
         # Gradient synchronisation hides under backward compute where the
         # cluster overlaps them (Cluster.overlap_grad_sync): the objective then
         # pays only the exposed part (price_exposed_sync).
@@ -192,7 +188,7 @@ class _ILP:
         backward_working_set) at the op, and a gathered parameter's full
         gradient (graph_costs.gather_transient; an upper bound: a tensor-
         parallel consumer of the shard gathers nothing) at its first consumer."""
-        graph, first_use = self.graph, first_consumers(self.graph)
+        graph, first_use = self.graph, self.first_use
         for name in graph.nodes:
             node, r = graph.nodes[name], self.rep[name]
             at = name if node.kind is NodeKind.OP else first_use.get(name)
@@ -208,8 +204,7 @@ class _ILP:
     def reshard_edges(self) -> None:
         """Each edge's resharding cost on the choices at its two ends (y
         variables where both ends choose), shared reshards paid once."""
-        graph, rep, redo = self.graph, self.rep, self.recomputed.nodes
-        first_use = first_consumers(graph)
+        graph, rep, redo, first_use = self.graph, self.rep, self.recomputed.nodes, self.first_use
         # Edges with the same representatives share variables; `replayed`
         # counts the recomputed consumers (their forward collectives run
         # again) and `plain` the others. `keeping`: per edge key, each

@@ -20,14 +20,16 @@ from autopar.capture import Graph
 from autopar.passes.recompute import Recomputation
 
 
+def add(table: dict, key, amount: float) -> None:
+    """``table[key] += amount`` (a sparse sum of terms: key -> coefficient)."""
+    if amount:
+        table[key] = table.get(key, 0.0) + amount
+
+
 def first_consumers(graph: Graph) -> dict:
     """Each node's first consumer in program order (where a resharded copy of
     it, or a gathered parameter's gradient, is placed on the timeline)."""
-    out = {}
-    for node in graph.nodes.values():
-        for src in node.inputs:
-            out.setdefault(src, node.name)
-    return out
+    return {src: uses[0][0] for src, uses in graph.consumers().items() if uses}
 
 
 class Timeline:
@@ -39,20 +41,15 @@ class Timeline:
         self.again = defaultdict(dict)  # position -> {key: bytes}, recomputed in its region's backward
         self.working = defaultdict(list)  # position -> [{key: bytes}], a working set during that op's backward
 
-    @staticmethod
-    def _add(table: dict, key, nbytes: float) -> None:
-        if nbytes:
-            table[key] = table.get(key, 0.0) + nbytes
-
     def activation(self, name: str, key, nbytes: float) -> None:
         """Node ``name`` keeps ``nbytes`` for backward (as if not recomputed)."""
         table = self.again if self.rc.drops(name) else self.kept
-        self._add(table[self.position[name]], key, nbytes)
+        add(table[self.position[name]], key, nbytes)
 
     def copy(self, consumer: str, key, nbytes: float) -> None:
         """A resharded copy made for ``consumer`` and kept for its backward."""
         table = self.again if consumer in self.region else self.kept
-        self._add(table[self.position[consumer]], key, nbytes)
+        add(table[self.position[consumer]], key, nbytes)
 
     def working_set(self, at: str, terms: dict) -> None:
         """Bytes alive for a moment during the backward of node ``at``."""
@@ -73,9 +70,9 @@ class Timeline:
             if region != current:
                 region_so_far, current = {}, region
             for key, b in self.kept.get(k, {}).items():
-                self._add(since, key, b)
+                add(since, key, b)
             for key, b in self.again.get(k, {}).items():
-                self._add(region_so_far, key, b)
+                add(region_so_far, key, b)
             if self.working.get(k) and (wanted is None or name in wanted):
                 yield since, dict(region_so_far), self.working[k]
                 since = {}
@@ -124,13 +121,13 @@ class SyncWindow:
         self.syncs = defaultdict(lambda: defaultdict(dict))  # link -> position -> {key: seconds}
 
     def compute(self, name: str, key, seconds: float) -> None:
-        Timeline._add(self.backward[self.position[name]], key, seconds)
+        add(self.backward[self.position[name]], key, seconds)
 
     def sync(self, consumer: str, key, seconds: float, links) -> None:
         """A gradient reduced after ``consumer``'s backward, on ``links``
         (AxisLinks.levels of its mesh axis)."""
         for link in links:
-            Timeline._add(self.syncs[link][self.position[consumer]], key, seconds)
+            add(self.syncs[link][self.position[consumer]], key, seconds)
 
     def points(self):
         """Per link, (link, syncs since the previous point, backward compute
@@ -142,12 +139,12 @@ class SyncWindow:
             syncs, compute = {}, {}
             for k in range(len(self.position)):
                 for key, t in at.get(k, {}).items():
-                    Timeline._add(syncs, key, t)
+                    add(syncs, key, t)
                 if at.get(k):
                     yield link, syncs, compute
                     syncs, compute = {}, {}
                 for key, t in self.backward.get(k, {}).items():
-                    Timeline._add(compute, key, t)
+                    add(compute, key, t)
 
     def exposed(self, value=lambda key: 1.0) -> float:
         total = lambda table: sum(t * value(k) for k, t in table.items())  # noqa: E731

@@ -17,6 +17,7 @@ and runs its forward again during backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import is_view, needs_grad, saved_outputs, saves_input
@@ -40,8 +41,9 @@ class Recomputation:
     """Op nodes whose output a checkpoint keeps for backward: each region's
     inputs from outside it (the storage behind a view)."""
 
-    @property
+    @cached_property
     def nodes(self) -> frozenset:
+        """Every recomputed node (asked once per node and strategy while pricing)."""
         return frozenset(n for r in self.regions for n in r)
 
     @property
@@ -118,24 +120,27 @@ def _layer_runs(graph: Graph, layers: set) -> list:
     return [runs[k] for k in sorted(runs)]
 
 
-def _split_at_parameters(graph: Graph, runs: list) -> list:
-    """The pieces of each run between ops that read a parameter (a weight GEMM,
-    a norm's scale): those ops stay out of selective regions."""
-    from_params = set()
+def _parameters_and_derived(graph: Graph) -> set:
+    """Parameters and the ops computed from parameters alone (a transposed or cast weight)."""
+    out = set()
     for node in graph.nodes.values():
         if node.kind is NodeKind.PARAM or (node.kind is NodeKind.OP and node.inputs
-                                           and all(i in from_params for i in node.inputs)):
-            from_params.add(node.name)
-    pieces = []
-    for run in runs:
-        piece = []
-        for name in run:
-            if name in from_params or any(i in from_params for i in graph.nodes[name].inputs):
-                pieces.append(piece)
-                piece = []
-            else:
-                piece.append(name)
-        pieces.append(piece)
+                                           and all(i in out for i in node.inputs)):
+            out.add(node.name)
+    return out
+
+
+def _split_at_parameters(graph: Graph, run: list, from_params: set) -> list:
+    """The pieces of a run between ops that read a parameter (a weight GEMM,
+    a norm's scale): those ops stay out of selective regions."""
+    pieces, piece = [], []
+    for name in run:
+        if name in from_params or any(i in from_params for i in graph.nodes[name].inputs):
+            pieces.append(piece)
+            piece = []
+        else:
+            piece.append(name)
+    pieces.append(piece)
     return [p for p in pieces if p]
 
 
@@ -144,10 +149,11 @@ def _worth_recomputing(graph: Graph, layer_runs: list, ctx) -> list:
     frees memory at least as cheaply as recomputing the whole layer would:
     bytes freed per second of recomputed forward no lower than the layer's."""
     kept, consumers, grad = saved_outputs(graph), graph.consumers(), needs_grad(graph)
+    from_params = _parameters_and_derived(graph)
     out = []
     for run in layer_runs:
         whole = _freed(graph, run, kept, consumers, grad) / _forward_seconds(graph, run, ctx)
-        for piece in _split_at_parameters(graph, [run]):
+        for piece in _split_at_parameters(graph, run, from_params):
             freed = _freed(graph, piece, kept, consumers, grad)
             if freed > 0 and freed / _forward_seconds(graph, piece, ctx) >= whole:
                 out.append(piece)
