@@ -55,7 +55,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     ``cache``: a directory of solved plans (autopar/plancache.py); compiling
     what was compiled before returns the stored plan without solving.
 
-    Pipeline parallelism (autopar/pipeline.py): a mesh with a ``pp`` axis, or
+    Pipeline parallelism (autopar/pipeline/): a mesh with a ``pp`` axis, or
     ``pipeline_stages=N``, pipelines with that many stages; ``pipeline_stages=
     "auto"`` lets the planner factor the devices into pp x dp x tp and pipeline
     only where it pays. ``microbatches`` and ``schedule`` ("gpipe", "1f1b",

@@ -60,7 +60,7 @@ def with_pipeline(plan: Plan, schedule: str = "1f1b", microbatches: int = 4, vir
     """``plan`` with a plausible two-stage pipeline section (what a pipelined compile would add).
 
     ``per_chunk`` lists one entry per model chunk (2 x ``virtual``, chunk c on the devices of stage c % 2),
-    as autopar/pipeline.py writes interleaved plans; otherwise one entry per stage."""
+    as autopar/pipeline/planfile.py writes interleaved plans; otherwise one entry per stage."""
     obj = copy.deepcopy(plan.to_json())
     step = plan.predicted["step_time_s"]
     mem = plan.predicted["peak_memory_bytes"]

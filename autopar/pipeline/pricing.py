@@ -1,0 +1,416 @@
+"""Step 2 of pipeline planning: per-layer costs on a stage submesh, from the
+intra-operator ILP (see autopar/pipeline/__init__.py)."""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.cost_models.cluster import get_cluster
+from autopar.cost_models.collectives import Collective, collective_time
+from autopar.cost_models.graph_costs import (
+    CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
+    needs_grad, node_compute, saved_outputs, saves_input, op_flops,
+)
+from autopar.cost_models.resharding import transitions
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+from autopar.passes.cluster import layer_classes
+from autopar.passes.enumerate import enumerate_strategies
+from autopar.passes.rules import get_rule
+from autopar.passes.strategy import shard_factor
+from autopar.pipeline.layers import Layers, group_layers
+from autopar.solver import solve
+
+log = logging.getLogger("autopar")
+
+
+REPEAT_THRESHOLD = 8
+"""Above this many repeated layers the planner (when it factors the world) prices the model on
+a two-layer copy."""
+
+
+@dataclass
+class LayerCost:
+    """One layer for one microbatch on one device of its stage's submesh."""
+
+    name: str
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    comm_s: float = 0.0
+    """Activation resharding, forward and backward."""
+    sync_s: float = 0.0
+    """Gradient synchronisation over the submesh (once per step)."""
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    """Gradients (also what data parallelism outside the submesh all-reduces)."""
+    optimizer_bytes: float = 0.0
+    """Optimizer states (and fp32 master weights under mixed precision)."""
+    sharded_optimizer_bytes: float = 0.0
+    """The same in a pipeline, where the optimizer states of a parameter are
+    sharded over a submesh axis it is replicated on (``zero1_axis``)."""
+    updated_bytes: float = 0.0
+    """Bytes of the parameter shards this device's optimizer updates in a pipeline."""
+    act_bytes: float = 0.0
+    """Activations saved for backward, and resharded copies kept for it."""
+    transient_bytes: float = 0.0
+    """The largest gradient working set of one of its ops in backward
+    (graph_costs.backward_working_set)."""
+    flops: float = 0.0
+    """Model FLOPs (matmuls, forward and backward) of the whole microbatch."""
+    recomputable: bool = False
+    """A numbered layer (``blocks.3``): full recomputation keeps only its inputs
+    (what codegen checkpoints: autopar/codegen.py, ``plan.recompute``)."""
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.comm_s
+
+    @property
+    def state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class Cut:
+    """The boundary before a layer, for one microbatch."""
+
+    nbytes: float = 0.0
+    """Bytes each device of the sending stage sends: its shards of the crossing
+    tensors (``cut_placements``)."""
+    held_bytes: float = 0.0
+    """Local bytes of the crossing tensors (what a recomputed layer keeps)."""
+    to_cut_s: float = 0.0
+    """Reducing crossing tensors that are Partial sums on the sending submesh (forward)."""
+    p2p_fwd_s: float = 0.0
+    """Send/recv of the activations on the pp axis."""
+    p2p_bwd_s: float = 0.0
+    """Send/recv of their gradients."""
+    tensors: int = 0
+
+
+def cut_placements(spec: tuple) -> tuple:
+    """How a tensor crosses a stage boundary: in its producer's placements,
+    except that a Partial sum is reduced first. Every device of the sending
+    submesh sends its own shard to the device at the same submesh coordinate
+    of the next stage, which receives it in the same placements, so a tensor
+    sharded over the submesh crosses as 1/n of its bytes per device and is not
+    gathered (Megatron-LM's scatter/gather optimisation, Narayanan et al.
+    SC'21 sec. 4.1, falls out of sequence-parallel placements)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
+
+
+_NUMERIC_LAYER = [f.name for f in fields(LayerCost) if f.name not in ("name", "recomputable")]
+_NUMERIC_CUT = [f.name for f in fields(Cut)]
+
+
+@dataclass
+class Profile:
+    """Per-layer costs of one model at one microbatch size on one stage submesh."""
+
+    layers: list  # list[LayerCost]
+    cuts: list  # list[Cut]; cuts[c] is the boundary before layer c (cuts[0] unused)
+    forbidden: set
+    submesh: Mesh
+    microbatch: int
+    """Sequences per microbatch on this submesh."""
+    graph: Graph | None = None
+    """The captured microbatch graph (of the truncated copy when priced by repetition)."""
+    grouping: Layers | None = None
+    chosen: dict | None = None
+    """Node name -> Strategy on the submesh (for ``graph``)."""
+    strategies: dict | None = None
+    solution: object = None
+    repeated: tuple | None = None
+    """(container, layers in the model, layers captured) when priced on a truncated copy."""
+    fallbacks: list = field(default_factory=list)
+    dtype: str = "fp32"
+    """Compute dtype of the peak FLOP/s (for MFU)."""
+    ctx: CostContext | None = None
+
+    @property
+    def names(self) -> list:
+        return [lc.name for lc in self.layers]
+
+    def scaled(self, other: "Profile", microbatch: int) -> "Profile":
+        """Affine inter/extrapolation in the microbatch size between two profiles
+        of the same model and submesh (activations, compute and transfers grow
+        with the batch; parameters do not)."""
+        if other.microbatch == self.microbatch:
+            return self
+        k = (microbatch - self.microbatch) / (other.microbatch - self.microbatch)
+
+        def mix(a, b, names):
+            return {n: max(0.0, getattr(a, n) + k * (getattr(b, n) - getattr(a, n))) for n in names}
+
+        layers = [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
+                  for a, b in zip(self.layers, other.layers)]
+        cuts = [Cut(**mix(a, b, _NUMERIC_CUT)) for a, b in zip(self.cuts, other.cuts)]
+        return replace(self, layers=layers, cuts=cuts, microbatch=microbatch)
+
+
+def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision: str, time_limit_s: float,
+                 solver: str):
+    """The intra-operator ILP on the stage submesh, identical layers sharing
+    variables (passes/cluster.py), with no memory row: memory is checked per
+    stage by the pipeline search. Mirrors autopar.compile's steps."""
+    strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
+    # stages keep gathered parameters until backward (ZeRO-2 at most): the
+    # stage pricing below and the stage programs do not regather
+    strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
+    # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
+    ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), optimizer, precision)
+    solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
+                     classes=layer_classes(graph), optimizer_step=False)
+    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
+    return chosen, strategies, solution, ctx, fallbacks
+
+
+def zero1_axis(spec: tuple, mesh_shape: tuple) -> int | None:
+    """The submesh axis a pipeline shards a parameter's optimizer states over:
+    the first one of size > 1 it is replicated on (ZeRO stage 1, Megatron-LM's
+    distributed optimizer), or None. Its gradient is reduce-scattered there
+    once per step, each rank updates its shard, and the shards are
+    all-gathered before the next step: the bytes of the all-reduce, with the
+    optimizer states and their update divided by the axis size."""
+    for axis, (p, n) in enumerate(zip(spec, mesh_shape)):
+        if isinstance(p, Replicate) and n > 1:
+            return axis
+    return None
+
+
+def once_per_step(src: Node, spec: tuple, move) -> bool:
+    """Whether a backward move on a parameter's edge runs once per step rather
+    than once per microbatch: the reduction of a gradient over an axis the
+    parameter is replicated on. The pipeline runtime accumulates those local
+    partial sums over the microbatches and reduces them once after the last
+    (``spmd.accumulating``); a reduce-scatter into a sharded (ZeRO) parameter
+    runs in every microbatch's backward."""
+    return src.kind is NodeKind.PARAM and isinstance(spec[move.axis], Replicate)
+
+
+def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
+    grad = needs_grad(graph)
+    kept_share = saved_outputs(graph)
+    ms = ctx.mesh_shape
+    costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
+             for name in layers.names]
+    reshards = SharedReshards(len(ms))
+    for node in graph.nodes.values():
+        s = chosen[node.name]
+        lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
+        backward = node.name in grad
+        f, b = node_compute(node, s, ctx, backward)
+        lc.fwd_s += f
+        lc.bwd_s += b
+        parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
+        lc.param_bytes += parts.get("parameters", 0.0)
+        lc.grad_bytes += parts.get("gradients", 0.0)
+        lc.optimizer_bytes += parts.get("optimizer", 0.0)
+        if node.kind is NodeKind.PARAM:
+            axis = zero1_axis(s.output, ms)
+            k = ms[axis] if axis is not None else 1
+            lc.sharded_optimizer_bytes += parts.get("optimizer", 0.0) / k
+            lc.updated_bytes += parts.get("parameters", 0.0) / k
+        lc.act_bytes += parts.get("activations", 0.0)
+        lc.transient_bytes = max(lc.transient_bytes, backward_working_set(graph, node, s, ctx, grad))
+        if node.kind is NodeKind.OP and node.info is not None:
+            rule = get_rule(node.target)
+            if rule is not None and rule.matmul:
+                lc.flops += op_flops(node) * (3 if backward else 1)
+        for idx, src in enumerate(node.inputs):
+            meta = graph.nodes[src].outputs[0]
+            held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node))
+            lc.act_bytes += reshards.keeps(node, idx, src, s, backward and src in grad, held)
+            if not reshards.pays(node, idx, src, s, backward and src in grad):
+                continue  # the first consumer's reshard serves this one
+            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
+            lc.comm_s += sum(mv.seconds for mv in fwd)
+            for mv in bwd:
+                if once_per_step(graph.nodes[src], chosen[src].output, mv):
+                    lc.sync_s += mv.seconds
+                else:
+                    lc.comm_s += mv.seconds
+    cuts = [Cut() for _ in range(layers.n)]
+    for c in range(1, layers.n):
+        cut = cuts[c]
+        for name in layers.crossing[c]:
+            spec = chosen[name].output
+            sent = cut_placements(spec)
+            meta = graph.nodes[name].out
+            nbytes = ctx.tensor_bytes(meta)
+            local = nbytes / shard_factor(sent, ms)
+            cut.tensors += 1
+            cut.nbytes += local
+            cut.held_bytes += local
+            cut.to_cut_s += sum(m.seconds for m in transitions(spec, sent, nbytes, ms, ctx.links))
+            t = collective_time(Collective.SEND_RECV, local, pp_link) if pp_link is not None else 0.0
+            cut.p2p_fwd_s += t
+            if name in grad and meta.dtype.is_floating_point:
+                cut.p2p_bwd_s += t
+    return costs, cuts
+
+
+def _microbatch_inputs(example_inputs: tuple, b: int) -> tuple:
+    return tuple(x[:b] if isinstance(x, torch.Tensor) else x for x in example_inputs)
+
+
+def batch_size(example_inputs: tuple) -> int:
+    sizes = {x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise AutoparError(
+            f"pipelining splits every input along dim 0 into microbatches; the example inputs have "
+            f"dim-0 sizes {sorted(sizes)} (they must all be the batch size)")
+    return sizes.pop()
+
+
+def _repeated_container(model: nn.Module, container: str | None):
+    """The container module if its children are structurally identical, else None."""
+    if not container:
+        return None
+    try:
+        mod = model.get_submodule(container)
+    except AttributeError:
+        return None
+    if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) <= REPEAT_THRESHOLD:
+        return None
+    shapes = [tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters()) for child in mod]
+    types = {type(child) for child in mod}
+    if len(types) != 1 or any(s != shapes[0] for s in shapes):
+        return None
+    return mod
+
+
+def _truncated(model: nn.Module, path: str, keep: int) -> nn.Module:
+    """A shallow copy of ``model`` whose container at ``path`` keeps its first ``keep`` children."""
+    parts = path.split(".")
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    parent = root
+    for name in parts[:-1]:
+        child = copy.copy(parent._modules[name])
+        child._modules = dict(child._modules)
+        parent._modules[name] = child
+        parent = child
+    container = parent._modules[parts[-1]]
+    kept = list(container)[:keep]
+    parent._modules[parts[-1]] = nn.Sequential(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept)
+    return root
+
+
+def _expand(costs: list, cuts: list, layers: Layers, total: int) -> tuple[list, list, set]:
+    """Layer costs of a model with ``total`` repeated layers from a capture with two."""
+    reps = [i for i, name in enumerate(layers.names) if name.startswith(layers.container + ".")]
+    if len(reps) != 2 or reps[1] != reps[0] + 1:
+        raise AutoparError("repetition pricing expects two consecutive captured layers")
+    first, second = reps
+    head = list(range(first))
+    tail = list(range(second + 1, layers.n))
+    out_costs = [costs[i] for i in head]
+    out_cuts = [cuts[i] for i in head]
+    for k in range(total):
+        src = first if k == 0 else second
+        out_costs.append(replace(costs[src], name=f"{layers.container}.{k}"))
+        out_cuts.append(cuts[src])
+    out_costs += [costs[i] for i in tail]
+    out_cuts += [cuts[i] for i in tail]
+    shift = total - 2
+    forbidden = {c if c <= first else c + shift for c in layers.forbidden}
+    return out_costs, out_cuts, forbidden
+
+
+def profile(model: nn.Module, example_inputs: tuple, loss_fn, submesh: Mesh, cluster, *, microbatch: int,
+            pp_link=None, optimizer: str = "adamw", precision: str = "fp32", time_limit_s: float = 60.0,
+            solver: str = "HIGHS", reuse_layers: bool = False, graph_cache: dict | None = None) -> Profile:
+    """Per-layer costs at ``microbatch`` sequences on ``submesh`` (see the module docstring).
+    ``reuse_layers``: price a model with many identical layers on a two-layer copy."""
+    cluster = get_cluster(cluster)
+    graph_cache = graph_cache if graph_cache is not None else {}
+    key = ("graph", microbatch)
+    if key not in graph_cache:
+        graph_cache[key] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch, reuse_layers,
+                                                graph_cache)
+    graph, layers, repeated = graph_cache[key]
+    chosen, strategies, solution, ctx, fallbacks = _solve_intra(graph, submesh, cluster, optimizer, precision,
+                                                                time_limit_s, solver)
+    costs, cuts = _price(graph, layers, chosen, ctx, pp_link)
+    forbidden = set(layers.forbidden)
+    if repeated:
+        costs, cuts, forbidden = _expand(costs, cuts, layers, repeated[1])
+    if precision != "fp32":
+        dtype = precision
+    else:
+        dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
+        dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+    return Profile(costs, cuts, forbidden, submesh, microbatch, graph, layers, chosen, strategies, solution,
+                   repeated, fallbacks, dtype, ctx)
+
+
+def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool, cache: dict):
+    inputs = _microbatch_inputs(example_inputs, microbatch)
+    if reuse_layers and cache.get("repeats", True):
+        container = _container_of_model(model)
+        mod = _repeated_container(model, container)
+        if mod is not None:
+            try:
+                two = capture(_truncated(model, container, 2), inputs, loss_fn)
+                l2 = group_layers(two)
+                if "repeats" not in cache:  # checked once, at the first microbatch size
+                    three = capture(_truncated(model, container, 3), inputs, loss_fn)
+                    cache["repeats"] = _repeats(two, l2, three, group_layers(three), container)
+                if cache["repeats"]:
+                    return two, l2, (container, len(mod), 2)
+                log.info("autopar: %s layers do not repeat uniformly; capturing the whole model", container)
+            except AutoparError as e:
+                cache["repeats"] = False
+                log.info("autopar: pricing %s on a truncated copy failed (%s); capturing it whole", container, e)
+    graph = capture(model, inputs, loss_fn)
+    return graph, group_layers(graph), None
+
+
+def _repeats(two: Graph, l2: Layers, three: Graph, l3: Layers, container: str) -> bool:
+    """Whether copies truncated to 2 and 3 layers agree on everything repetition
+    pricing assumes: the same layers around the repeated ones, the same ops in
+    every repeated layer, and the same tensors (shapes, dtypes) across the
+    cuts before, between and after them."""
+    if l2.container != container or l3.container != container:
+        return False
+    reps2 = [i for i, nm in enumerate(l2.names) if nm.startswith(container + ".")]
+    reps3 = [i for i, nm in enumerate(l3.names) if nm.startswith(container + ".")]
+    if len(reps2) != 2 or len(reps3) != 3 or reps2[0] != reps3[0]:
+        return False
+    a = reps2[0]
+    if l2.names[:a] != l3.names[:a] or l2.names[a + 2:] != l3.names[a + 3:]:
+        return False
+
+    def ops(graph, layers, g):
+        return [graph.nodes[n].op_name for n in graph.nodes
+                if layers.group.get(n) == g and graph.nodes[n].kind is NodeKind.OP]
+
+    def cut(graph, layers, c):
+        return sorted((graph.nodes[n].out.shape, str(graph.nodes[n].out.dtype)) for n in layers.crossing[c]) \
+            if 0 < c < layers.n else []
+
+    block = ops(two, l2, a + 1)
+    if any(ops(three, l3, g) != block for g in (a + 1, a + 2)) or ops(two, l2, a) != ops(three, l3, a):
+        return False
+    if cut(three, l3, a + 1) != cut(two, l2, a + 1) or cut(three, l3, a + 2) != cut(two, l2, a + 1):
+        return False
+    if cut(three, l3, a + 3) != cut(two, l2, a + 2):
+        return False
+    return all(cut(three, l3, c) == cut(two, l2, c) for c in range(1, a + 1))
+
+
+def _container_of_model(model: nn.Module) -> str | None:
+    """The longest ModuleList/Sequential in the model (candidate for repetition pricing)."""
+    best = None
+    for name, mod in model.named_modules():
+        if name and isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > REPEAT_THRESHOLD:
+            if best is None or len(mod) > best[0]:
+                best = (len(mod), name)
+    return best[1] if best else None

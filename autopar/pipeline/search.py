@@ -1,0 +1,313 @@
+"""Step 4 of pipeline planning: factor the devices into pp x dp x tp, or plan
+on a given pp axis (see autopar/pipeline/__init__.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from autopar.cost_models.cluster import get_cluster
+from autopar.cost_models.collectives import Collective, axis_links, collective_time
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.mesh import Mesh, parse_mesh
+from autopar.plan import Plan
+from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
+from autopar.pipeline.pricing import Profile, batch_size, profile
+from autopar.pipeline.stages import Candidate, MARGIN, Schedule, evaluate, should_pipeline, _best, _schedules
+
+
+MICROBATCH_PER_DP_RANK = (1, 2)
+"""Sequences per data-parallel rank per microbatch tried when the planner
+factors the world (Megatron-LM uses 1-2, Narayanan et al. SC'21)."""
+MAX_MICROBATCH_CANDIDATES = 4
+"""With a given pp axis and no pinned count, the smallest divisors of the batch
+that are >= p are tried as microbatch counts (each costs a capture and an ILP)."""
+
+
+@dataclass
+class PipelineSearch:
+    """What the planner considered when it factored the world into pp x dp x tp."""
+
+    pipelined: Candidate | None
+    """Best configuration with more than one stage."""
+    flat: Candidate | None
+    """Best configuration without pipelining (one stage, one microbatch)."""
+    evaluated: int
+    feasible: int
+    layers: list
+    repeated: tuple | None
+    """(container, layers, layers captured) when priced by repetition."""
+    wall_s: float
+    margin: float = MARGIN
+
+    @property
+    def pipeline(self) -> bool:
+        return should_pipeline(self.pipelined, self.flat, margin=self.margin)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.pipelined if self.pipeline else self.flat
+
+    def mesh(self, cand: Candidate | None = None) -> Mesh:
+        """A candidate's mesh, pp x dp x tp (axes of size 1 dropped, at least one kept)."""
+        c = cand or self.best
+        axes = [(PP_AXIS, c.stages), ("dp", c.dp), ("tp", c.submesh[-1])]
+        kept = [(n, s) for n, s in axes if s > 1] or [("tp", 1)]
+        return Mesh(tuple(s for _, s in kept), tuple(n for n, _ in kept))
+
+    def summary(self) -> dict:
+        return {"decision": "pipeline" if self.pipeline else "no pipeline",
+                "pipelined": self.pipelined.summary() if self.pipelined else None,
+                "flat": self.flat.summary() if self.flat else None, "evaluated": self.evaluated,
+                "feasible": self.feasible, "wall_s": self.wall_s, "margin": self.margin,
+                "priced_by_repetition": list(self.repeated) if self.repeated else None}
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, loss_fn, stages: int | None = None,
+                    microbatches: int | None = None, schedule=None, memory: float | None = None,
+                    recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                    time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
+                    margin: float = MARGIN, max_tp: int | None = None) -> PipelineSearch:
+    """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches,
+    schedule and recomputation for each factorisation.
+
+    tp stays inside a node (it divides ``devices_per_node``); the intra-stage
+    ILP runs on the tp submesh at 1 and 2 sequences per data-parallel rank
+    (``MICROBATCH_PER_DP_RANK``; other sizes by affine interpolation of the
+    layer costs); dp replicates the pipeline and adds an all-reduce of each
+    stage's gradients once per step. ``stages=1`` or a single stage candidate
+    is "no pipeline": one microbatch of the whole local batch."""
+    t0 = time.perf_counter()
+    cluster = get_cluster(cluster)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if loss_fn is None:
+        raise AutoparError("pipelining trains the model: give loss_fn (the last example input is the target)")
+    if schedule is not None:
+        schedule = _schedule_arg(schedule)
+    B = batch_size(example_inputs)
+    budget = memory if memory is not None else cluster.device.memory
+    tps = [t for t in _divisors(cluster.devices_per_node) if world % t == 0 and (max_tp is None or t <= max_tp)]
+    points = [b for b in MICROBATCH_PER_DP_RANK if b <= B] or [1]
+    cache: dict = {}
+    profiles = {(t, b): profile(model, example_inputs, loss_fn, Mesh((t,), ("tp",)), cluster, microbatch=b,
+                                optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                                reuse_layers=reuse_layers is not False, graph_cache=cache)
+                for t in tps for b in points}
+    first = next(iter(profiles.values()))
+    n = len(first.layers)
+    evaluated = feasible = 0
+    pipelined, flat = [], []
+    recomputes = [recompute] if recompute is not None else [False, True]
+    for t in tps:
+        for p in _divisors(world // t):
+            if p > n or (stages is not None and p != stages):
+                continue
+            d = world // (t * p)
+            links = axis_links(cluster, (p, d, t))
+            per_rank = d * (microbatches or 1)  # without a pipeline: one microbatch unless pinned
+            sizes = points if p > 1 else ([B // per_rank] if B % per_rank == 0 else [])
+            for b0 in sizes:
+                if B % (d * b0):
+                    continue
+                m = B // (d * b0)
+                if p > 1 and microbatches is not None and m != microbatches:
+                    continue
+                prof = _with_pp_link(_profile_at(profiles, t, b0, points), links[0] if p > 1 else None)
+                for sched, v in _schedules(schedule, p, m, n):
+                    for rc in recomputes:
+                        evaluated += 1
+                        c = evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget, dp=d,
+                                     dp_link=links[1])
+                        if c is not None:
+                            feasible += 1
+                            (pipelined if p > 1 else flat).append(c)
+    result = PipelineSearch(_best(pipelined), _best(flat), evaluated, feasible, first.names, first.repeated,
+                            time.perf_counter() - t0, margin)
+    if result.best is None:
+        raise InfeasibleError(
+            f"no configuration of {world} devices fits in {budget / 2**30:.2f} GiB per device (tried {evaluated} "
+            "combinations of stages x tp x microbatches x schedule x recomputation)")
+    return result
+
+
+def _profile_at(profiles: dict, t: int, b0: int, points: list) -> Profile:
+    if (t, b0) in profiles:
+        return profiles[t, b0]
+    a = profiles[t, points[0]]
+    if len(points) == 1:
+        return replace(a, microbatch=b0)
+    return a.scaled(profiles[t, points[-1]], b0)
+
+
+def _with_pp_link(prof: Profile, pp_link) -> Profile:
+    """The same profile with its cut transfers priced on ``pp_link`` (none without one)."""
+    cuts = []
+    for cut in prof.cuts:
+        if pp_link is None or cut.tensors == 0:
+            cuts.append(replace(cut, p2p_fwd_s=0.0, p2p_bwd_s=0.0))
+            continue
+        t = cut.tensors * collective_time(Collective.SEND_RECV, cut.nbytes / cut.tensors, pp_link)
+        cuts.append(replace(cut, p2p_fwd_s=t, p2p_bwd_s=t))
+    return replace(prof, cuts=cuts)
+
+
+
+def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn, stages: int | None = None,
+                      microbatches: int | None = None, schedule=None, memory: float | None = None,
+                      recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                      time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
+                      margin: float = MARGIN, reuse_layers: bool | None = None) -> Plan:
+    """Plan ``model`` with pipeline parallelism where it pays.
+
+    * ``mesh`` with a ``pp`` axis ("pp=2,tp=2"): the pipeline has that many
+      stages (``stages``, if given, must agree); each stage runs the
+      intra-operator plan on the other axes.
+    * ``mesh`` without one (a device count, "dp=128,tp=8", ...): the planner
+      factors the devices into pp x dp x tp (tp inside a node, at most the
+      mesh's last axis) and pipelines only when ``should_pipeline`` says so;
+      ``stages=`` pins the stage count (``stages=1`` never pipelines).
+      Otherwise it returns ``autopar.compile``'s plan on ``mesh``; or, with
+      ``microbatches`` > 1, a one-stage pipeline: gradient accumulation over
+      the microbatches, reduced once per step, ZeRO-1 over data parallelism.
+    ``microbatches`` / ``schedule`` ("gpipe", "1f1b", "interleaved-1f1b") pin
+    those choices; ``recompute`` pins full activation recomputation on or off
+    (the runtime does not recompute yet). The plan's ``pipeline`` section is
+    None when it does not pipeline. A model on the meta device with many
+    identical layers gets a planning-only plan (stages and costs, no per-node
+    strategies); ``reuse_layers=False`` captures it whole instead."""
+    from autopar.compiler import compile as compile_flat
+
+    t0 = time.perf_counter()
+    mesh = parse_mesh(mesh)
+    cluster = get_cluster(cluster)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if schedule is not None:
+        schedule = _schedule_arg(schedule)
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+        raise AutoparError(f"stages must be a positive integer, got {stages!r}")
+    options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
+    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, **options)
+    accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
+                      source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
+    accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
+    if PP_AXIS in mesh.names:
+        p = mesh.shape[mesh.names.index(PP_AXIS)]
+        if stages is not None and stages != p:
+            raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
+                               f"coordinate of its pp axis; use a mesh with pp={stages}")
+        if p == 1 and not accumulates:
+            return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
+        return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
+    if stages == 1 and not accumulates:
+        return compile_flat(model, example_inputs, mesh=mesh, **flat)
+    if stages == 1:
+        return _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
+    found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
+                            stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
+                            recompute=recompute, reuse_layers=reuse_layers, margin=margin,
+                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, **options)
+    if not found.pipeline:
+        plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate) \
+            if accumulates else compile_flat(model, example_inputs, mesh=mesh, **flat)
+        plan.solver["pipeline_search"] = found.summary()
+        return plan
+    best = found.pipelined
+    if found.repeated and _on_meta(model):
+        plan = plan_from_candidate(best, found.mesh(best), cluster, source)
+        plan.solver["wall_s"] = time.perf_counter() - t0
+    else:
+        plan = _plan_on_mesh(model, example_inputs, loss_fn, found.mesh(best), cluster,
+                             microbatches=best.microbatches, schedule=best.schedule,
+                             virtual_stages=best.virtual_stages, memory=memory, recompute=best.recompute,
+                             source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
+    plan.solver["pipeline_search"] = found.summary()
+    return plan
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _schedule_arg(schedule) -> Schedule:
+    try:
+        return Schedule(schedule)
+    except ValueError:
+        raise AutoparError(f"schedule {schedule!r} is not one of {[s.value for s in Schedule]}") from None
+
+
+def _with_pp(mesh: Mesh) -> Mesh:
+    """``mesh`` with a pp axis of size 1 in front: one stage, its microbatches
+    accumulating gradients (and ZeRO-1 over its data-parallel axes)."""
+    return Mesh((1, *mesh.shape), (PP_AXIS, *mesh.names))
+
+
+def _inner_mesh(mesh: Mesh) -> Mesh:
+    """The stage submesh: every axis but pp (a single axis of size 1 when there is none)."""
+    kept = [(n, s) for n, s in zip(mesh.names, mesh.shape) if n != PP_AXIS]
+    if not kept:
+        return Mesh((1,), ("tp",))
+    return Mesh(tuple(s for _, s in kept), tuple(n for n, _ in kept))
+
+
+def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microbatches=None, schedule=None,
+                  virtual_stages: int | None = None, memory=None, recompute=None, optimizer="adamw",
+                  precision="fp32", time_limit_s=60.0, solver="HIGHS", source=None, reuse_layers: bool = False,
+                  t0=None) -> Plan:
+    """The pp axis is given: choose layers, microbatches, schedule; the submesh
+    plan is the ILP's on the whole microbatch graph."""
+    t0 = t0 if t0 is not None else time.perf_counter()
+    if loss_fn is None:
+        raise AutoparError("pipelining trains the model: give loss_fn (the last example input is the target)")
+    B = batch_size(example_inputs)
+    pp_index = mesh.names.index(PP_AXIS)
+    p = mesh.shape[pp_index]
+    inner = _inner_mesh(mesh)
+    budget = memory if memory is not None else cluster.device.memory
+    pp_link = axis_links(cluster, mesh.shape)[pp_index]
+    if microbatches is not None:
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1 \
+                or B % microbatches:
+            raise AutoparError(f"microbatches={microbatches!r} must be a positive integer dividing the batch "
+                               f"size ({B})")
+        ms = [microbatches]
+    else:
+        ms = [m for m in _divisors(B) if m >= min(p, B)][:MAX_MICROBATCH_CANDIDATES]
+    cache: dict = {}
+    cands, evaluated = [], 0
+    for m in ms:
+        prof = profile(model, example_inputs, loss_fn, inner, cluster, microbatch=B // m, pp_link=pp_link,
+                       optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                       reuse_layers=reuse_layers,
+                       graph_cache=cache)
+        pairs = _schedules(schedule, p, m, len(prof.layers))
+        if virtual_stages is not None:
+            pairs = [(s, v) for s, v in pairs if v == virtual_stages]
+        for sched, v in pairs:
+            for rc in ([recompute] if recompute is not None else [False, True]):
+                evaluated += 1
+                cands.append(evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget))
+    best = _best(cands)
+    if best is None and prof.forbidden:
+        free = [c for c in range(1, len(prof.layers)) if c not in prof.forbidden]
+        if len(free) < p - 1:
+            raise AutoparError(
+                f"a pipeline of {p} stages needs {p - 1} cut(s) between layers, but parameters shared by several "
+                f"layers (tied weights) leave only {len(free)}: {[prof.names[c] for c in free]} can start a "
+                "stage; untie them or use fewer stages")
+    if best is None:
+        raise InfeasibleError(
+            f"no pipeline of {p} stages on {mesh} fits in {budget / 2**30:.2f} GiB per device (tried microbatches "
+            f"{ms}, schedules {[schedule.value] if schedule else [s.value for s in Schedule]}); give more memory, "
+            "more stages or a larger submesh")
+    if best.profile.repeated:
+        plan = plan_from_candidate(best, mesh, cluster, source)
+    else:
+        plan = build_pipeline_plan(best, mesh, cluster, source)
+    plan.solver["wall_s"] = time.perf_counter() - t0
+    plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms, "chosen": best.summary()}
+    return plan
