@@ -62,6 +62,11 @@ def op_label(target) -> str:
     return str(target).replace("aten.", "").replace(".default", "")
 
 
+_PLACEMENT_KWARGS = ("device", "pin_memory", "layout")
+"""Arguments of a factory op (``arange``, ``full``) that say where a tensor
+lives, not what it is: the same model on meta or on a device is one graph."""
+
+
 @dataclass
 class Graph:
     nodes: dict  # name -> Node, in topological order
@@ -77,9 +82,17 @@ class Graph:
     first name (tied weights, e.g. an LM head sharing the embedding)."""
 
     def fingerprint(self) -> str:
+        """What a plan depends on, node by node: op, module path or parameter
+        name, inputs, output shapes and dtypes, and the op's other arguments
+        (dims, scalars); not the device a tensor lives on (meta, cpu, cuda)."""
         h = hashlib.sha256()
         for n in self.nodes.values():
-            h.update(f"{n.name}|{n.op_name}|{n.inputs}|{[m.shape for m in n.outputs]}\n".encode())
+            args = ""
+            if n.info is not None:
+                kwargs = {k: v for k, v in n.info.kwargs.items() if k not in _PLACEMENT_KWARGS}
+                args = f"{n.info.args!r}|{sorted(kwargs.items())!r}"
+            outs = [(m.shape, str(m.dtype)) for m in n.outputs]
+            h.update(f"{n.name}|{n.op_name}|{n.fqn}|{n.inputs}|{outs}|{args}\n".encode())
         return h.hexdigest()[:16]
 
     def consumers(self) -> dict:

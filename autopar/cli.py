@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--solver", default="HIGHS", choices=["HIGHS", "SCIP", "CBC", "CP_SAT"])
     c.add_argument("--coverage", action="store_true", help="list ops that fell back to replication")
     c.add_argument("--cache", metavar="DIR",
-                   help="reuse plans solved before for the same model, mesh, cluster and options (stored in DIR)")
+                   help="reuse plans solved before for the same model, mesh, cluster and options, and a pipeline "
+                        "search's solved layer classes (stored in DIR)")
     c.add_argument("-q", "--quiet", action="store_true", help="do not print the plan summary")
     c.add_argument("-o", "--output", default="plan.json")
     c.set_defaults(fn=_compile)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 import warnings
@@ -28,7 +27,7 @@ from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.timeline import SyncWindow, Timeline, first_consumers
-from autopar.solver import solve
+from autopar.solver import in_parallel, solve
 
 log = logging.getLogger("autopar")
 
@@ -53,7 +52,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
     times out of the plan so that equal inputs give byte-identical plan.json.
     ``cache``: a directory of solved plans (autopar/plancache.py); compiling
-    what was compiled before returns the stored plan without solving.
+    what was compiled before returns the stored plan without solving, and a
+    pipeline search reuses the layer classes solved before (by any model
+    built of the same layers).
 
     Pipeline parallelism (autopar/pipeline/): a mesh with a ``pp`` axis, or
     ``pipeline_stages=N``, pipelines with that many stages; ``pipeline_stages=
@@ -65,9 +66,6 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         from autopar.pipeline import compile_pipelined
         if parameter_placements:
             raise AutoparError("parameter_placements cannot be pinned in a pipelined plan")
-        if cache is not None:
-            warnings.warn("autopar: the plan cache holds plans without pipeline parallelism; this pipelined "
-                          "plan is solved again and not stored", stacklevel=2)
         if recompute not in ("auto", "none", "full"):
             raise AutoparError(f"recompute {recompute!r} is not offered in pipelined plans; valid there: "
                                "'auto', 'none', 'full' (selective recomputation is planned without a pipeline)")
@@ -75,7 +73,8 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
             stages=None if pipeline_stages == "auto" else pipeline_stages, microbatches=microbatches,
             schedule=schedule, memory=memory, recompute={"auto": None, "none": False, "full": True}[recompute],
-            optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source)
+            optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source,
+            cache=cache)
     phases = _Phases()
     with phases("capture"):
         mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
@@ -197,7 +196,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     # once where cores allow.
     results = [solve_one(tried[0][1])]
     if len(tried) > 1 and not settles(tried[0][1], results[0]):
-        results += _in_parallel(solve_one, [rc for _, rc in tried[1:]])
+        results += in_parallel(solve_one, [rc for _, rc in tried[1:]])
     best, errors, candidates = None, [], []
     for k, ((name, rc), sol) in enumerate(zip(tried, results)):
         label = _label(name, rc)
@@ -218,42 +217,6 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     sol, rc = best
     sol.extra["recompute_candidates"] = candidates
     return sol, rc
-
-
-SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))
-"""Processes that solve independent ILPs (the recomputation options) at once;
-``AUTOPAR_SOLVE_WORKERS=1`` solves them one after another."""
-
-_FORKED: dict = {}  # what forked workers solve: set before the fork, read in the child
-
-
-def _in_parallel(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, in forked worker processes where more than
-    one core is free, on Linux (the workers inherit the traced graph instead
-    of pickling it); results are Solutions or InfeasibleErrors,
-    in order, the same as solving them one by one."""
-    import multiprocessing
-    import torch.distributed as dist
-    workers = min(SOLVE_WORKERS, len(items))
-    # fork only where it is the platform's default (Linux: macOS frameworks do
-    # not survive it), and never a process in a process group
-    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
-        return [fn(x) for x in items]
-    from concurrent.futures import ProcessPoolExecutor
-    _FORKED["fn"], _FORKED["items"] = fn, items
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            out = list(pool.map(_forked_solve, range(len(items))))
-    finally:
-        _FORKED.clear()
-    return [InfeasibleError(r[1], needed_bytes=r[2]) if isinstance(r, tuple) else r for r in out]
-
-
-def _forked_solve(i: int):
-    out = _FORKED["fn"](_FORKED["items"][i])
-    if isinstance(out, InfeasibleError):  # sent back as plain values
-        return ("infeasible", str(out), out.needed_bytes)
-    return out
 
 
 def _label(name: str, rc) -> str:

@@ -10,6 +10,13 @@ description, every compile option, and a hash of the planner's own source
 never reads an old entry. An entry is the plan's JSON, written atomically;
 ``plan.solver["cache"]`` says "hit" or "miss". A corrupt entry is a miss and
 is overwritten, with a warning.
+
+The same directory holds solved *layer classes* (``layers/``): the
+intra-stage ILP a pipeline search solves per stage submesh and microbatch
+size, on a copy of the model truncated to two of its repeated layers
+(autopar/pipeline/pricing.py). Its key is that graph's fingerprint, the
+submesh, the cluster and the options, so another model built of the same
+layers (another depth, another device count, another batch) reuses it.
 """
 from __future__ import annotations
 
@@ -19,11 +26,13 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import autopar.cost_models
 import autopar.passes
 from autopar.plan import Plan
+from autopar.solver import Solution
 
 log = logging.getLogger("autopar")
 
@@ -47,20 +56,48 @@ def cache_key(fingerprint: str, mesh, cluster, options: dict) -> str:
 
 
 def load(directory: str, key: str) -> Plan | None:
-    path = Path(directory).expanduser() / f"{key}.json"
+    return _read(Path(directory).expanduser() / f"{key}.json", lambda text: Plan.from_json(json.loads(text)))
+
+
+def store(directory: str, key: str, plan: Plan) -> None:
+    _write(Path(directory).expanduser(), key, plan.dumps())
+
+
+LAYERS = "layers"
+"""Subdirectory of the solved layer classes."""
+
+
+def load_solution(directory: str, key: str, graph, strategies: dict) -> Solution | None:
+    """A solved layer class, checked against the graph and strategies it is
+    for (a node without a choice, or a choice out of range, is unreadable)."""
+    def parse(text):
+        sol = Solution(**json.loads(text))
+        if set(sol.choice) != set(graph.nodes) or any(
+                not isinstance(i, int) or not 0 <= i < len(strategies[n]) for n, i in sol.choice.items()):
+            raise ValueError("its choices do not match the graph's nodes and strategies")
+        sol.choice = {name: sol.choice[name] for name in graph.nodes}  # in graph order, as solved
+        return sol
+    return _read(Path(directory).expanduser() / LAYERS / f"{key}.json", parse)
+
+
+def store_solution(directory: str, key: str, solution: Solution) -> None:
+    _write(Path(directory).expanduser() / LAYERS, key, json.dumps(asdict(solution), sort_keys=True, default=str))
+
+
+def _read(path: Path, parse):
     if not path.exists():
         return None
     try:
-        return Plan.from_json(json.loads(path.read_text()))
+        return parse(path.read_text())
     except (ValueError, KeyError, TypeError) as e:
         log.warning("autopar: plan cache entry %s is unreadable (%s); solving again and replacing it", path, e)
         return None
 
 
-def store(directory: str, key: str, plan: Plan) -> None:
-    folder = Path(directory).expanduser()
+def _write(folder: Path, key: str, text: str) -> None:
+    """Atomically: a reader sees the old entry or the new one, never half."""
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        f.write(plan.dumps())
+        f.write(text)
     os.replace(tmp, folder / f"{key}.json")

@@ -131,6 +131,10 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
         wall += " (when it was solved; this time from the plan cache)"
     con.print(f"solver {sv.get('backend', '')} {sv['status']}: objective {fmt_s(sv['objective'])}, "
               f"{sv['variables']} variables, {sv['constraints']} constraints{wall}")
+    hits = (sv.get("pipeline_search") or {}).get("layer_cache")
+    if hits:
+        con.print(f"stage ILPs: {hits['hits']} solved layer classes from the plan cache, {hits['misses']} solved "
+                  "now")
     for what, count in (sv.get("pruned") or {}).items():
         con.print(f"pruned before solving: {count} {what}")
     if plan.recompute.get("layers"):

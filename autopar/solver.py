@@ -508,3 +508,40 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
         f"give more memory per device or a larger mesh",
         needed_bytes=need,
     )
+
+
+SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))
+"""Processes that solve independent ILPs (the recomputation options, a
+pipeline search's stage submeshes) at once;
+``AUTOPAR_SOLVE_WORKERS=1`` solves them one after another."""
+
+_FORKED: dict = {}  # what forked workers solve: set before the fork, read in the child
+
+
+def in_parallel(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, in forked worker processes where more than
+    one core is free, on Linux (the workers inherit the traced graph instead
+    of pickling it); ``fn`` returns a Solution or an InfeasibleError. The
+    results are in order, the same as solving them one by one."""
+    import multiprocessing
+    import torch.distributed as dist
+    workers = min(SOLVE_WORKERS, len(items))
+    # fork only where it is the platform's default (Linux: macOS frameworks do
+    # not survive it), and never a process in a process group
+    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
+        return [fn(x) for x in items]
+    from concurrent.futures import ProcessPoolExecutor
+    _FORKED["fn"], _FORKED["items"] = fn, items
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            out = list(pool.map(_forked_solve, range(len(items))))
+    finally:
+        _FORKED.clear()
+    return [InfeasibleError(r[1], needed_bytes=r[2]) if isinstance(r, tuple) else r for r in out]
+
+
+def _forked_solve(i: int):
+    out = _FORKED["fn"](_FORKED["items"][i])
+    if isinstance(out, InfeasibleError):  # sent back as plain values
+        return ("infeasible", str(out), out.needed_bytes)
+    return out

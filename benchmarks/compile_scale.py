@@ -2,12 +2,14 @@
 
     python benchmarks/compile_scale.py            # the table below, each size in its own process
     python benchmarks/compile_scale.py --one 175B # a single row
+    python benchmarks/compile_scale.py --pipelined 175B [--layers 80] [--devices 2048] [--cache DIR]
 
 GPT configurations from the GPT-3 paper (Brown et al. 2020, Table 2.1) and the
 1T row of Narayanan et al. 2021 (Table 1), built on the meta device; meshes put
 8-way groups inside dgx-a100 nodes (the last axis) and the rest across nodes.
 Mixed precision (bf16) pricing. Then, on a small model, the clustered solve's
-objective against the unclustered one.
+objective against the unclustered one, and what the plan cache's solved
+layer classes (``--cache``) and solving the stage ILPs in parallel save.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,26 +63,44 @@ def one(name: str) -> dict:
             "step_s": plan.predicted["step_time_s"], "mfu": plan.predicted["mfu"]}
 
 
-def pipelined(name: str) -> dict:
+def pipelined(name: str, layers: int | None = None, devices: int | None = None, cache: str | None = None) -> dict:
     """The full compile with the memory row enforced: the planner factors the
-    devices into pp x dp x tp and searches stages, microbatches and schedule."""
+    devices into pp x dp x tp and searches stages, microbatches and schedule.
+    ``layers`` / ``devices`` change the depth or the device count of a row."""
     import torch
 
     import autopar
     from gpt import GPT, GPTConfig, lm_loss
 
-    hidden, layers, heads, batch, devices, _ = MODELS[name]
+    hidden, depth, heads, batch, world, _ = MODELS[name]
+    layers, devices = layers or depth, devices or world
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=VOCAB, seq=SEQ, hidden=hidden, heads=heads, layers=layers))
         idx = torch.randint(0, VOCAB, (batch, SEQ))
     plan = autopar.compile(model, (idx, idx), mesh=devices, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16",
-                           pipeline_stages="auto")
+                           pipeline_stages="auto", cache=cache)
     pl = plan.pipeline or {}
-    return {"model": name, "devices": devices, "total_s": time.perf_counter() - t0, "mesh": str(plan.mesh),
-            "schedule": pl.get("schedule", "none"), "microbatches": pl.get("microbatches", 0),
+    return {"model": name, "layers": layers, "devices": devices, "total_s": time.perf_counter() - t0,
+            "mesh": str(plan.mesh), "schedule": pl.get("schedule", "none"), "microbatches": pl.get("microbatches", 0),
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-            "step_s": plan.predicted["step_time_s"], "memory_gib": plan.predicted["peak_memory_bytes"] / 2**30}
+            "step_s": plan.predicted["step_time_s"], "memory_gib": plan.predicted["peak_memory_bytes"] / 2**30,
+            "layer_cache": plan.solver["pipeline_search"].get("layer_cache")}
+
+
+def stage_ilps(workers: int, cache: str | None) -> dict:
+    """The example GPT on a given pp=2,dp=2,tp=2 mesh: a stage ILP on the whole
+    graph per microbatch count tried, solved by ``workers`` processes."""
+    env = dict(os.environ, AUTOPAR_SOLVE_WORKERS=str(workers))
+    out = os.path.join(HERE, "..", "out", "compile_scale_stage_ilps.json")
+    cmd = ["autopar", "compile", "examples/gpt.py:demo", "--mesh", "pp=2,dp=2,tp=2", "--cluster", "dgx-a100",
+           "-q", "-o", out] + (["--cache", cache] if cache else [])
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, cwd=os.path.join(HERE, ".."), check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    solver = json.load(open(out))["solver"]
+    return {"wall_s": wall, "planner_s": solver["wall_s"], "layer_cache": solver["pipeline_search"]["layer_cache"],
+            "ilps": len(solver["pipeline_search"]["microbatches_tried"])}
 
 
 def clustered_vs_unclustered() -> dict:
@@ -102,9 +123,9 @@ def clustered_vs_unclustered() -> dict:
             "gap": out[True][0] / out[False][0] - 1}
 
 
-def _row(flag: str, name: str) -> dict | None:
+def _row(flag: str, name: str, *extra: str) -> dict | None:
     """One benchmark row in a fresh process (so that its peak RSS is its own)."""
-    proc = subprocess.run([sys.executable, __file__, flag, name], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, __file__, flag, name, *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"{name:>6} failed: {proc.stderr.strip().splitlines()[-1]}")
         return None
@@ -115,12 +136,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=sorted(MODELS))
     ap.add_argument("--pipelined", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, help="with --pipelined: another depth")
+    ap.add_argument("--devices", type=int, help="with --pipelined: another device count")
+    ap.add_argument("--cache", help="with --pipelined: a plan cache directory")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one)))
         return
     if args.pipelined:
-        print(json.dumps(pipelined(args.pipelined)))
+        print(json.dumps(pipelined(args.pipelined, args.layers, args.devices, args.cache)))
         return
     print(f"{'model':>6} {'GPUs':>5} {'mesh':>7} {'total s':>8} {'capture':>8} {'strat.':>7} {'solve':>7} "
           f"{'nodes':>6} {'solved':>6} {'vars':>7} {'RSS GB':>7} {'pred. step s':>12} {'MFU':>6}")
@@ -139,6 +163,26 @@ def main():
             continue
         print(f"{r['model']:>6} {r['devices']:>5} {r['total_s']:>8.1f} {r['peak_rss_gb']:>7.2f}  {r['mesh']:28} "
               f"{r['schedule'] + ' x' + str(r['microbatches']):>17} {r['step_s']:>7.2f} {r['memory_gib']:>6.1f}")
+    print("\nsolved layer classes (--cache DIR), GPT-3 175B shapes, pipeline_stages='auto':")
+    print(f"{'compile':46} {'total s':>8} {'stage ILPs from the cache':>26}  plan")
+    with tempfile.TemporaryDirectory() as cache:
+        for label, extra in (("175B, 96 layers, 1024 GPUs, empty cache", []),
+                             ("175B, 96 layers, 1024 GPUs, again", []),
+                             ("same layers, 80 layers, 2048 GPUs", ["--layers", "80", "--devices", "2048"])):
+            r = _row("--pipelined", "175B", "--cache", cache, *extra)
+            if r is not None:
+                hits = r["layer_cache"]
+                print(f"{label:46} {r['total_s']:>8.2f} {hits['hits']:>14} of {hits['hits'] + hits['misses']:<9}  "
+                      f"{r['mesh']}")
+    print("\nexample GPT on pp=2,dp=2,tp=2 (one whole-graph stage ILP per microbatch count tried):")
+    with tempfile.TemporaryDirectory() as cache:
+        for label, workers, where in (("one process", 1, None), ("solved in parallel", os.cpu_count() or 1, None),
+                                      ("parallel, empty cache", os.cpu_count() or 1, cache),
+                                      ("from the cache", os.cpu_count() or 1, cache)):
+            r = stage_ilps(workers, where)
+            hits = r["layer_cache"]
+            print(f"{label:24} planner {r['planner_s']:>5.2f} s (command {r['wall_s']:.2f} s), {r['ilps']} ILPs"
+                  + (f", {hits['hits']} from the cache" if hits else ""))
     c = clustered_vs_unclustered()
     print(f"\nGPT 4x1024 on a 2x4 mesh: clustered objective {c['clustered'][0] * 1e3:.4f} ms "
           f"({c['clustered'][1]:.1f} s, {c['clustered'][2]}), unclustered {c['unclustered'][0] * 1e3:.4f} ms "

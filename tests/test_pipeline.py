@@ -219,6 +219,55 @@ def test_gpt3_175b_pipelines_across_nodes_with_tp_inside():
     assert plan.predicted["step_time_s"] <= _best_hand_grid(96, 12288, 96, 2048, 51200, 1536, nodes=128)
 
 
+def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, monkeypatch, caplog):
+    """The stage ILPs a search solves for a 24-layer GPT on 16 GPUs answer the
+    search for a 16-layer GPT of the same layers on 32 GPUs: nothing is solved
+    again and the search decides what it decides without the cache (where
+    the stage ILPs are solved one by one, not in parallel)."""
+    import autopar.pipeline.pricing as pricing
+    import autopar.solver
+    from gpt import lm_loss
+    cache = str(tmp_path / "plans")
+    kw = dict(cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    deep, inputs = _meta_gpt(24, 1024, 16, 512, 8192, 64)
+    first = search_pipeline(deep, inputs, world=16, cache=cache, **kw)
+    assert first.layer_cache == {"hits": 0, "misses": 8}  # tp 1, 2, 4, 8 x 1, 2 sequences per microbatch
+    shallow, inputs = _meta_gpt(16, 1024, 16, 512, 8192, 64)
+    monkeypatch.setattr(autopar.solver, "SOLVE_WORKERS", 1)  # the cache was filled by parallel solves
+    fresh = search_pipeline(shallow, inputs, world=32, **kw)
+    assert fresh.layer_cache is None
+
+    def no_solve(self, options):
+        raise AssertionError("a cached layer class was solved again")
+
+    monkeypatch.setattr(pricing._StageILP, "solve", no_solve)
+    again = search_pipeline(shallow, inputs, world=32, cache=cache, **kw)
+    assert again.layer_cache == {"hits": 8, "misses": 0}
+    same = lambda found: {k: v for k, v in found.summary().items() if k not in ("wall_s", "layer_cache")}  # noqa: E731
+    assert same(again) == same(fresh)
+    # the plan says where its stage ILPs came from
+    plan = compile_pipelined(shallow, inputs, mesh=32, cache=cache, **kw)
+    assert plan.solver["pipeline_search"]["layer_cache"] == {"hits": 8, "misses": 0}
+    from rich.console import Console
+
+    from autopar.report import show
+    console = Console(record=True, width=200)
+    show(plan, console=console)
+    assert "stage ILPs: 8 solved layer classes from the plan cache, 0 solved now" in console.export_text()
+    # another submesh is another key: solved, not guessed
+    with pytest.raises(AssertionError, match="solved again"):
+        search_pipeline(shallow, inputs, world=32, cache=cache, cluster="dgx-h100", loss_fn=lm_loss,
+                        precision="bf16")
+    # a corrupt entry is a miss, with a warning, and is solved and replaced
+    monkeypatch.undo()
+    entry = sorted((tmp_path / "plans" / "layers").glob("*.json"))[0]
+    entry.write_text('{"choice": {"no such node": 0}}')
+    with caplog.at_level("WARNING", logger="autopar"):
+        mended = search_pipeline(shallow, inputs, world=32, cache=cache, **kw)
+    assert mended.layer_cache == {"hits": 7, "misses": 1} and "unreadable" in caplog.text
+    assert same(mended) == same(fresh)
+
+
 def _best_hand_grid(layers, hidden, heads, seq, vocab, batch, *, nodes):
     """The fastest TP x PP x DP x microbatch x recomputation x sequence parallelism x
     virtual stages plan of ``autopar estimate`` on dgx-a100 (no distributed

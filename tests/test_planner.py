@@ -187,6 +187,7 @@ def test_tied_weights_get_one_placement():
 
 
 def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeypatch, caplog):
+    import copy
     import json
 
     import autopar.compiler
@@ -208,6 +209,14 @@ def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeyp
         autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache, precision="bf16")
     with pytest.raises(AssertionError, match="solved again"):
         autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss, cache=cache)
+    # so does the model's dtype (a bf16 copy holds half the bytes) ...
+    with pytest.raises(AssertionError, match="solved again"):
+        autopar.compile(copy.deepcopy(model).to(torch.bfloat16), inputs, mesh=4, cluster="dgx-a100", loss_fn=loss,
+                        cache=cache)
+    # ... but not the device: the same model on meta is the same graph
+    on_meta = autopar.compile(copy.deepcopy(model).to("meta"), [x.to("meta") for x in inputs], mesh=4,
+                              cluster="dgx-a100", loss_fn=loss, cache=cache)
+    assert on_meta.solver.pop("cache") == "hit"
     # a corrupt entry is a miss, with a warning (and is replaced)
     monkeypatch.undo()
     (entry,) = (tmp_path / "plans").glob("*.json")
@@ -263,13 +272,13 @@ def test_plan_prices_the_sync_that_cannot_hide():
 def test_recomputation_options_solved_in_parallel_give_the_same_plan(monkeypatch):
     """The options after the first (selective, full) are solved at once in
     forked workers; the plan is byte-identical to solving them one by one."""
-    import autopar.compiler as compiler
+    import autopar.solver
     from autopar.runtime import load_factory
     model, inputs, loss = load_factory("examples/gpt.py:explicit")
     kw = dict(mesh=2, cluster="tests/fixtures/fastnet.json", loss_fn=loss, memory=8 * 2**20, deterministic=True)
     plans = {}
     for workers in (1, 2):
-        monkeypatch.setattr(compiler, "SOLVE_WORKERS", workers)
+        monkeypatch.setattr(autopar.solver, "SOLVE_WORKERS", workers)
         plans[workers] = autopar.compile(model, inputs, **kw)
     assert [c["status"] for c in plans[2].recompute["candidates"]].count("OPTIMAL") >= 2
     assert plans[1].dumps() == plans[2].dumps()

@@ -25,7 +25,7 @@ from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
 from autopar.pipeline.layers import Layers, group_layers
-from autopar.solver import solve
+from autopar.solver import in_parallel, solve
 
 log = logging.getLogger("autopar")
 
@@ -154,21 +154,41 @@ class Profile:
         return replace(self, layers=layers, cuts=cuts, microbatch=microbatch)
 
 
-def _solve_intra(graph: Graph, submesh: Mesh, cluster, optimizer: str, precision: str, time_limit_s: float,
-                 solver: str):
-    """The intra-operator ILP on the stage submesh, identical layers sharing
-    variables (passes/cluster.py), with no memory row: memory is checked per
-    stage by the pipeline search. Mirrors autopar.compile's steps."""
-    strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
-    # stages keep gathered parameters until backward (ZeRO-2 at most): the
-    # stage pricing below and the stage programs do not regather
-    strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
-    # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
-    ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), optimizer, precision)
-    solution = solve(graph, strategies, ctx, memory_budget=None, time_limit_s=time_limit_s, backend=solver,
-                     classes=layer_classes(graph), optimizer_step=False)
-    chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-    return chosen, strategies, solution, ctx, fallbacks
+@dataclass
+class _StageILP:
+    """The intra-operator ILP on one stage submesh at one microbatch size,
+    before it is solved: identical layers share variables
+    (passes/cluster.py), and no memory row (the stage search checks memory
+    per stage). Mirrors autopar.compile's steps."""
+
+    graph: Graph
+    layers: Layers
+    repeated: tuple | None
+    submesh: Mesh
+    microbatch: int
+    strategies: dict
+    fallbacks: list
+    ctx: CostContext
+    key: str
+    """Its entry in the layer cache (autopar/plancache.py)."""
+
+    @classmethod
+    def make(cls, captured: tuple, submesh: Mesh, microbatch: int, cluster, options: dict) -> "_StageILP":
+        from autopar import plancache
+        graph, layers, repeated = captured
+        strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
+        # stages keep gathered parameters until backward (ZeRO-2 at most): the
+        # stage pricing below and the stage programs do not regather
+        strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
+        # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
+        ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), options["optimizer"],
+                               options["precision"])
+        key = plancache.cache_key(graph.fingerprint(), submesh, cluster, {"stage_ilp": True, **options})
+        return cls(graph, layers, repeated, submesh, microbatch, strategies, fallbacks, ctx, key)
+
+    def solve(self, options: dict):
+        return solve(self.graph, self.strategies, self.ctx, memory_budget=None, time_limit_s=options["time_limit_s"],
+                     backend=options["solver"], classes=layer_classes(self.graph), optimizer_step=False)
 
 
 def zero1_axis(spec: tuple, mesh_shape: tuple) -> int | None:
@@ -325,30 +345,60 @@ def _expand(costs: list, cuts: list, layers: Layers, total: int) -> tuple[list, 
 
 
 def profile(model: nn.Module, example_inputs: tuple, loss_fn, submesh: Mesh, cluster, *, microbatch: int,
-            pp_link=None, optimizer: str = "adamw", precision: str = "fp32", time_limit_s: float = 60.0,
-            solver: str = "HIGHS", reuse_layers: bool = False, graph_cache: dict | None = None) -> Profile:
-    """Per-layer costs at ``microbatch`` sequences on ``submesh`` (see the module docstring).
-    ``reuse_layers``: price a model with many identical layers on a two-layer copy."""
+            **kwargs) -> Profile:
+    """Per-layer costs at ``microbatch`` sequences on ``submesh`` (see the
+    package docstring); keyword arguments as ``profiles``."""
+    return profiles(model, example_inputs, loss_fn, [(submesh, microbatch)], cluster, **kwargs)[0]
+
+
+def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, cluster, *, pp_link=None,
+             optimizer: str = "adamw", precision: str = "fp32", time_limit_s: float = 60.0, solver: str = "HIGHS",
+             reuse_layers: bool = False, graph_cache: dict | None = None, cache: str | None = None) -> list:
+    """A Profile at each (submesh, microbatch) of ``points``.
+
+    ``reuse_layers``: price a model with many identical layers on a two-layer
+    copy. ``graph_cache`` keeps the captures (one per microbatch size) for the
+    next call. ``cache``: a plan cache directory (autopar/plancache.py) whose
+    solved layer classes answer the ILPs solved before, by this model or any
+    other built of the same layers; the others are solved at once
+    (solver.in_parallel) and stored there."""
+    from autopar import plancache
     cluster = get_cluster(cluster)
     graph_cache = graph_cache if graph_cache is not None else {}
-    key = ("graph", microbatch)
-    if key not in graph_cache:
-        graph_cache[key] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch, reuse_layers,
-                                                graph_cache)
-    graph, layers, repeated = graph_cache[key]
-    chosen, strategies, solution, ctx, fallbacks = _solve_intra(graph, submesh, cluster, optimizer, precision,
-                                                                time_limit_s, solver)
-    costs, cuts = _price(graph, layers, chosen, ctx, pp_link)
+    options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
+    ilps = []
+    for submesh, microbatch in points:
+        if ("graph", microbatch) not in graph_cache:
+            graph_cache["graph", microbatch] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch,
+                                                                    reuse_layers, graph_cache)
+        ilps.append(_StageILP.make(graph_cache["graph", microbatch], submesh, microbatch, cluster, options))
+    found = [plancache.load_solution(cache, ilp.key, ilp.graph, ilp.strategies) if cache else None for ilp in ilps]
+    todo = [i for i, sol in enumerate(found) if sol is None]
+    for i, sol in zip(todo, in_parallel(lambda i: ilps[i].solve(options), todo)):
+        if isinstance(sol, Exception):
+            raise sol
+        if cache:
+            plancache.store_solution(cache, ilps[i].key, sol)
+        found[i] = sol
+    for i, sol in enumerate(found):
+        sol.extra["cache"] = None if not cache else "miss" if i in todo else "hit"
+    return [_profile(ilp, sol, pp_link, precision) for ilp, sol in zip(ilps, found)]
+
+
+def _profile(ilp: _StageILP, solution, pp_link, precision: str) -> Profile:
+    graph, layers = ilp.graph, ilp.layers
+    chosen = {name: ilp.strategies[name][i] for name, i in solution.choice.items()}
+    costs, cuts = _price(graph, layers, chosen, ilp.ctx, pp_link)
     forbidden = set(layers.forbidden)
-    if repeated:
-        costs, cuts, forbidden = _expand(costs, cuts, layers, repeated[1])
+    if ilp.repeated:
+        costs, cuts, forbidden = _expand(costs, cuts, layers, ilp.repeated[1])
     if precision != "fp32":
         dtype = precision
     else:
         dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
         dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
-    return Profile(costs, cuts, forbidden, submesh, microbatch, graph, layers, chosen, strategies, solution,
-                   repeated, fallbacks, dtype, ctx)
+    return Profile(costs, cuts, forbidden, ilp.submesh, ilp.microbatch, graph, layers, chosen, ilp.strategies,
+                   solution, ilp.repeated, ilp.fallbacks, dtype, ilp.ctx)
 
 
 def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool, cache: dict):

@@ -13,7 +13,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.plan import Plan
 from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
-from autopar.pipeline.pricing import Profile, batch_size, profile
+from autopar.pipeline.pricing import Profile, batch_size, profiles as price
 from autopar.pipeline.stages import Candidate, MARGIN, Schedule, evaluate, should_pipeline, _best, _schedules
 
 
@@ -40,6 +40,8 @@ class PipelineSearch:
     """(container, layers, layers captured) when priced by repetition."""
     wall_s: float
     margin: float = MARGIN
+    layer_cache: dict | None = None
+    """Stage ILPs answered by the layer cache and solved ({"hits", "misses"}); None without a cache."""
 
     @property
     def pipeline(self) -> bool:
@@ -61,7 +63,13 @@ class PipelineSearch:
                 "pipelined": self.pipelined.summary() if self.pipelined else None,
                 "flat": self.flat.summary() if self.flat else None, "evaluated": self.evaluated,
                 "feasible": self.feasible, "wall_s": self.wall_s, "margin": self.margin,
-                "priced_by_repetition": list(self.repeated) if self.repeated else None}
+                "priced_by_repetition": list(self.repeated) if self.repeated else None,
+                "layer_cache": self.layer_cache}
+
+
+def _layer_cache(solved: list) -> dict | None:
+    said = [prof.solution.extra["cache"] for prof in solved]
+    return None if None in said else {"hits": said.count("hit"), "misses": said.count("miss")}
 
 
 def _divisors(n: int) -> list:
@@ -72,7 +80,7 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                     microbatches: int | None = None, schedule=None, memory: float | None = None,
                     recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
                     time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
-                    margin: float = MARGIN, max_tp: int | None = None) -> PipelineSearch:
+                    margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None) -> PipelineSearch:
     """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches,
     schedule and recomputation for each factorisation.
 
@@ -81,7 +89,9 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     (``MICROBATCH_PER_DP_RANK``; other sizes by affine interpolation of the
     layer costs); dp replicates the pipeline and adds an all-reduce of each
     stage's gradients once per step. ``stages=1`` or a single stage candidate
-    is "no pipeline": one microbatch of the whole local batch."""
+    is "no pipeline": one microbatch of the whole local batch. ``cache``: a
+    plan cache directory (autopar/plancache.py) whose solved layer classes
+    answer the stage ILPs solved before."""
     t0 = time.perf_counter()
     cluster = get_cluster(cluster)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -93,12 +103,12 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     budget = memory if memory is not None else cluster.device.memory
     tps = [t for t in _divisors(cluster.devices_per_node) if world % t == 0 and (max_tp is None or t <= max_tp)]
     points = [b for b in MICROBATCH_PER_DP_RANK if b <= B] or [1]
-    cache: dict = {}
-    profiles = {(t, b): profile(model, example_inputs, loss_fn, Mesh((t,), ("tp",)), cluster, microbatch=b,
-                                optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                                reuse_layers=reuse_layers is not False, graph_cache=cache)
-                for t in tps for b in points}
-    first = next(iter(profiles.values()))
+    pairs = [(t, b) for t in tps for b in points]
+    solved = price(model, example_inputs, loss_fn, [(Mesh((t,), ("tp",)), b) for t, b in pairs], cluster,
+                   optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                   reuse_layers=reuse_layers is not False, cache=cache)
+    profiles = dict(zip(pairs, solved))
+    first = solved[0]
     n = len(first.layers)
     evaluated = feasible = 0
     pipelined, flat = [], []
@@ -127,7 +137,7 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                             feasible += 1
                             (pipelined if p > 1 else flat).append(c)
     result = PipelineSearch(_best(pipelined), _best(flat), evaluated, feasible, first.names, first.repeated,
-                            time.perf_counter() - t0, margin)
+                            time.perf_counter() - t0, margin, _layer_cache(solved))
     if result.best is None:
         raise InfeasibleError(
             f"no configuration of {world} devices fits in {budget / 2**30:.2f} GiB per device (tried {evaluated} "
@@ -161,7 +171,7 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
                       recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
                       time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
-                      margin: float = MARGIN, reuse_layers: bool | None = None) -> Plan:
+                      margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None) -> Plan:
     """Plan ``model`` with pipeline parallelism where it pays.
 
     * ``mesh`` with a ``pp`` axis ("pp=2,tp=2"): the pipeline has that many
@@ -179,7 +189,9 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     (the runtime does not recompute yet). The plan's ``pipeline`` section is
     None when it does not pipeline. A model on the meta device with many
     identical layers gets a planning-only plan (stages and costs, no per-node
-    strategies); ``reuse_layers=False`` captures it whole instead."""
+    strategies); ``reuse_layers=False`` captures it whole instead.
+    ``cache``: a plan cache directory (autopar/plancache.py): the stage ILPs
+    reuse its solved layer classes, a plan without a pipeline its plans."""
     from autopar.compiler import compile as compile_flat
 
     t0 = time.perf_counter()
@@ -191,9 +203,9 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
-    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, **options)
+    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, cache=cache, **options)
     accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
-                      source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
+                      source=source, reuse_layers=bool(reuse_layers), t0=t0, cache=cache, **options)
     accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
     if PP_AXIS in mesh.names:
         p = mesh.shape[mesh.names.index(PP_AXIS)]
@@ -210,7 +222,7 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
                             recompute=recompute, reuse_layers=reuse_layers, margin=margin,
-                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, **options)
+                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, cache=cache, **options)
     if not found.pipeline:
         plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate) \
             if accumulates else compile_flat(model, example_inputs, mesh=mesh, **flat)
@@ -224,7 +236,7 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
         plan = _plan_on_mesh(model, example_inputs, loss_fn, found.mesh(best), cluster,
                              microbatches=best.microbatches, schedule=best.schedule,
                              virtual_stages=best.virtual_stages, memory=memory, recompute=best.recompute,
-                             source=source, reuse_layers=bool(reuse_layers), t0=t0, **options)
+                             source=source, reuse_layers=bool(reuse_layers), t0=t0, cache=cache, **options)
     plan.solver["pipeline_search"] = found.summary()
     return plan
 
@@ -257,7 +269,7 @@ def _inner_mesh(mesh: Mesh) -> Mesh:
 def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microbatches=None, schedule=None,
                   virtual_stages: int | None = None, memory=None, recompute=None, optimizer="adamw",
                   precision="fp32", time_limit_s=60.0, solver="HIGHS", source=None, reuse_layers: bool = False,
-                  t0=None) -> Plan:
+                  t0=None, cache: str | None = None) -> Plan:
     """The pp axis is given: choose layers, microbatches, schedule; the submesh
     plan is the ILP's on the whole microbatch graph."""
     t0 = t0 if t0 is not None else time.perf_counter()
@@ -277,13 +289,11 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
         ms = [microbatches]
     else:
         ms = [m for m in _divisors(B) if m >= min(p, B)][:MAX_MICROBATCH_CANDIDATES]
-    cache: dict = {}
+    solved = price(model, example_inputs, loss_fn, [(inner, B // m) for m in ms], cluster, pp_link=pp_link,
+                   optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                   reuse_layers=reuse_layers, cache=cache)
     cands, evaluated = [], 0
-    for m in ms:
-        prof = profile(model, example_inputs, loss_fn, inner, cluster, microbatch=B // m, pp_link=pp_link,
-                       optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                       reuse_layers=reuse_layers,
-                       graph_cache=cache)
+    for m, prof in zip(ms, solved):
         pairs = _schedules(schedule, p, m, len(prof.layers))
         if virtual_stages is not None:
             pairs = [(s, v) for s, v in pairs if v == virtual_stages]
@@ -309,5 +319,6 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
     else:
         plan = build_pipeline_plan(best, mesh, cluster, source)
     plan.solver["wall_s"] = time.perf_counter() - t0
-    plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms, "chosen": best.summary()}
+    plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms, "chosen": best.summary(),
+                                      "layer_cache": _layer_cache(solved)}
     return plan
