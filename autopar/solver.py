@@ -227,31 +227,47 @@ class _ILP:
         # same placement (codegen emits it once; the consumers' gradients meet
         # there and go back in one collective): its cost is paid once per
         # producer instance, through a variable above each edge's choice of it.
-        shared: dict = {}  # group -> [seconds per instance, producer instances, [selections], {copies}]
+        shared: dict = {}  # group -> [seconds per instance, producer instances, [(selection, instances
+        # behind it)], {copies}]
         for (src, dst, idx), times in edges.items():
             self._edge(src, dst, idx, times, replayed[src, dst, idx], producers[src, dst, idx],
                        keeping[src, dst, idx], instances[src, dst, idx], shared)
-        model = self.model
         for seconds_us, made, selections, copies in shared.values():
-            if len(selections) == 1:
-                for terms in selections:  # one consumer edge: pay on its choice
-                    for v in terms:
-                        _add(self.objective, v, seconds_us * len(made))
-                        for nbytes, consumer in copies.values():
-                            _add(self.mem, v, nbytes)
-                            self.timeline.copy(consumer, v, nbytes)
-                continue
-            used = model.NumVar(0.0, 1.0, "")
-            self.used_vars.append(used)
-            _add(self.objective, used, seconds_us * len(made))
-            for nbytes, consumer in copies.values():
-                _add(self.mem, used, nbytes)
-                self.timeline.copy(consumer, used, nbytes)
-            for terms in selections:
-                row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
-                row.SetCoefficient(used, 1.0)
-                for v in terms:
-                    row.SetCoefficient(v, -1.0)
+            # producer instances behind the same edges pay together: with
+            # clustered layers, one edge's choice may cover a few of them
+            # (the last layer feeding the head) and another's the rest
+            covers: dict = {}
+            for inst in made:
+                covers.setdefault(tuple(k for k, (_, behind) in enumerate(selections) if inst in behind),
+                                  []).append(inst)
+            for cover, insts in covers.items():
+                kept = copies.values() if len(covers) == 1 else [copies[i] for i in insts if i in copies]
+                self._pay([selections[k][0] for k in cover], seconds_us * len(insts), kept)
+
+    def _pay(self, selections: list, cost_us: float, copies) -> None:
+        """``cost_us`` and the ``copies`` (bytes, where made) once if any of
+        ``selections`` (each the variables whose sum says an edge chose
+        this reshard) is chosen."""
+        if len(selections) == 1:  # one consumer edge: pay on its choice
+            (terms,) = selections
+            for v in terms:
+                _add(self.objective, v, cost_us)
+                for nbytes, consumer in copies:
+                    _add(self.mem, v, nbytes)
+                    self.timeline.copy(consumer, v, nbytes)
+            return
+        model = self.model
+        used = model.NumVar(0.0, 1.0, "")
+        self.used_vars.append(used)
+        _add(self.objective, used, cost_us)
+        for nbytes, consumer in copies:
+            _add(self.mem, used, nbytes)
+            self.timeline.copy(consumer, used, nbytes)
+        for terms in selections:
+            row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
+            row.SetCoefficient(used, 1.0)
+            for v in terms:
+                row.SetCoefficient(v, -1.0)
 
     def _edge(self, src, dst, idx, times, replayed, producers, keeping, instances, shared) -> None:
         graph, ctx, x, model = self.graph, self.ctx, self.x, self.model
@@ -289,8 +305,9 @@ class _ILP:
                 item = not shares_reshard(graph.nodes[dst])
                 group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
                                           [unit[p, key], set(), [], {}])
-                group[1] |= {(src, dst, idx, n) for n in range(times)} if item else producers
-                group[2].append(terms)
+                behind = {(src, dst, idx, n) for n in range(times)} if item else producers
+                group[1] |= behind
+                group[2].append((terms, behind))
                 # one resharded copy per producer instance (per tuple item), kept
                 # for backward if a consumer keeps it; made at its first consumer
                 for inst, consumer in keeping.items():
