@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
+from autopar import plancache
 from autopar.capture import Graph, Node, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
@@ -169,12 +170,9 @@ class _StageILP:
     strategies: dict
     fallbacks: list
     ctx: CostContext
-    key: str
-    """Its entry in the layer cache (autopar/plancache.py)."""
 
     @classmethod
     def make(cls, captured: tuple, submesh: Mesh, microbatch: int, cluster, options: dict) -> "_StageILP":
-        from autopar import plancache
         graph, layers, repeated = captured
         strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
         # stages keep gathered parameters until backward (ZeRO-2 at most): the
@@ -183,8 +181,7 @@ class _StageILP:
         # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
         ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), options["optimizer"],
                                options["precision"])
-        key = plancache.cache_key(graph.fingerprint(), submesh, cluster, {"stage_ilp": True, **options})
-        return cls(graph, layers, repeated, submesh, microbatch, strategies, fallbacks, ctx, key)
+        return cls(graph, layers, repeated, submesh, microbatch, strategies, fallbacks, ctx)
 
     def solve(self, options: dict):
         return solve(self.graph, self.strategies, self.ctx, memory_budget=None, time_limit_s=options["time_limit_s"],
@@ -362,7 +359,6 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
     solved layer classes answer the ILPs solved before, by this model or any
     other built of the same layers; the others are solved at once
     (solver.in_parallel) and stored there."""
-    from autopar import plancache
     cluster = get_cluster(cluster)
     graph_cache = graph_cache if graph_cache is not None else {}
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
@@ -372,16 +368,22 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
             graph_cache["graph", microbatch] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch,
                                                                     reuse_layers, graph_cache)
         ilps.append(_StageILP.make(graph_cache["graph", microbatch], submesh, microbatch, cluster, options))
-    found = [plancache.load_solution(cache, ilp.key, ilp.graph, ilp.strategies) if cache else None for ilp in ilps]
+    found = [None] * len(ilps)
+    if cache:
+        fingerprints = {id(ilp.graph): ilp.graph.fingerprint() for ilp in ilps}  # one per capture
+        keys = [plancache.cache_key(fingerprints[id(ilp.graph)], ilp.submesh, cluster, {"stage_ilp": True, **options})
+                for ilp in ilps]
+        found = [plancache.load_solution(cache, key, ilp.graph, ilp.strategies) for key, ilp in zip(keys, ilps)]
     todo = [i for i, sol in enumerate(found) if sol is None]
     for i, sol in zip(todo, in_parallel(lambda i: ilps[i].solve(options), todo)):
         if isinstance(sol, Exception):
             raise sol
         if cache:
-            plancache.store_solution(cache, ilps[i].key, sol)
+            plancache.store_solution(cache, keys[i], sol)
         found[i] = sol
+    solved = set(todo)
     for i, sol in enumerate(found):
-        sol.extra["cache"] = None if not cache else "miss" if i in todo else "hit"
+        sol.extra["cache"] = None if not cache else "miss" if i in solved else "hit"
     return [_profile(ilp, sol, pp_link, precision) for ilp, sol in zip(ilps, found)]
 
 
