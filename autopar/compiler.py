@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 import warnings
@@ -21,7 +22,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import layer_classes, layer_lists
+from autopar.passes.cluster import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
@@ -100,10 +101,9 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
         if cluster_layers is None:
             cluster_layers = opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
-        classes = layer_classes(graph) if cluster_layers else {name: name for name in graph.nodes}
-        for alias, first in graph.tied.items():  # a tied weight has one placement under all its names
-            classes[alias] = classes[first]
-        pinned = _pins(graph, strategies, parameter_placements or {}, classes)
+        layers = repeated_layers(graph) if cluster_layers else []
+        classes = _Classes(graph, layers)
+        pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
     with phases("solve"):
         ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
         budget = memory if memory is not None else cluster.device.memory
@@ -132,6 +132,16 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             plan.solver["cache"] = "miss"
     return plan
 
+
+PEEL_TIME_FACTOR, PEEL_MIN_S = 10.0, 5.0
+"""A solve with layer instances peeled off the classes' ends gets at most
+this many times the clustered solve's wall time, and at least these seconds
+(both within the compile's time limit). A compile-time policy, from what the
+peeled solves took on this 2-core machine (benchmarks/compile_scale.py and
+the GPT models of tests/test_planner.py): 1-10x the clustered solve without a
+binding memory budget (GPT-3 175B on 1024 GPUs: 6.6 s clustered, 20 s
+peeled); under a binding one, HiGHS may need 50x, and the clustered plan
+stands."""
 
 O2_MAX_UNCLUSTERED_NODES = 3000
 """-O2 solves every node separately up to this graph size (a few seconds of HiGHS
@@ -182,10 +192,45 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         seen.add(rc.regions)
         tried.append((name, rc))
     def solve_one(rc):
-        try:
-            return solve(graph, strategies, ctx, memory_budget=budget, classes=classes, recomputed=rc, **options)
-        except InfeasibleError as e:
-            return e
+        """Solve with each class of repeated layers sharing one set of
+        variables. The one cost that depends on a layer's position is the
+        gradient sync window (timeline.SyncWindow: the first layer's backward
+        runs last, with the least compute left to hide its sync): where the
+        window binds (the optimum with sync free leaves some exposed, so the
+        solver priced it), solve again with instances peeled off
+        the classes' ends, deeper while that pays more than the solver's
+        relative gap and time is left. A peeled solve that finds nothing in
+        its time leaves the best plan so far."""
+        ends, best, solves, first_wall = classes.first, None, 0, 0.0
+        deadline = time.perf_counter() + options["time_limit_s"]
+        while True:
+            left = deadline - time.perf_counter()
+            if best is not None:  # a refinement: bounded by the clustered solve's time
+                left = min(left, max(PEEL_MIN_S, PEEL_TIME_FACTOR * first_wall))
+            try:
+                sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes(ends), recomputed=rc,
+                            **{**options, "time_limit_s": left})
+            except InfeasibleError as e:  # peeling only adds freedom: only the first solve can be infeasible
+                if best is None:
+                    return e
+                log.info("layer classes: no plan from solve %d (%s)", solves + 1, e)
+                best[0].extra["layer_classes"] = classes.summary(best[1], solves)
+                return best[0]
+            solves += 1
+            if best is None:
+                first_wall = sol.wall_s
+            gain = best[0].objective_s - sol.objective_s if best else math.inf
+            if best is None or gain > 0:
+                best = (sol, ends)
+            deeper = deeper_ends(classes.layers, ends, sol.choice)
+            tolerance = options["relative_gap"] * sol.objective_s
+            if deeper == ends or gain <= tolerance or deadline - time.perf_counter() < PEEL_MIN_S \
+                    or (solves == 1 and sol.extra["window_exposed_s"] <= tolerance):
+                best[0].extra["layer_classes"] = classes.summary(best[1], solves)
+                return best[0]
+            log.info("layer classes: solve %d gave %.4f ms in %.1f s; peeling the ends to %s", solves,
+                     sol.objective_s * 1e3, sol.wall_s, deeper)
+            ends = deeper
 
     def settles(rc, sol) -> bool:
         """Without recomputation, memory never binds: recomputing only adds time."""
@@ -219,6 +264,33 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     return sol, rc
 
 
+class _Classes:
+    """The representatives the ILP shares variables by: each class of
+    repeated layers (passes/cluster.py) with its first and last instance
+    solved on their own to begin with, peeled deeper while a solve says the
+    next instance wants another strategy (``deeper_ends``); a tied weight has
+    one placement under all its names."""
+
+    def __init__(self, graph: Graph, layers: list):
+        self.graph, self.layers = graph, layers
+        self.first = tuple((0, 0) for _ in layers)
+
+    def __call__(self, ends) -> dict:
+        rep = layer_classes(self.graph, ends, self.layers)
+        for alias, first in self.graph.tied.items():
+            rep[alias] = rep[first]
+        return rep
+
+    def summary(self, ends, solves: int) -> list:
+        """Per class, for the plan: its layers, and how many at each end were solved on their own."""
+        out = []
+        for instances, (front, back) in zip(self.layers, ends):
+            names = [".".join(map(str, layer_of(self.graph.nodes[i[0]]))) for i in instances]
+            out.append({"layers": names, "own_front": front, "own_back": back,
+                        "shared": len(instances) - front - back, "solves": solves})
+        return out
+
+
 def _label(name: str, rc) -> str:
     if name == "partial":
         return f"full in {len(rc.layers)} layers"
@@ -228,7 +300,8 @@ def _label(name: str, rc) -> str:
 
 
 def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None) -> dict:
-    pins = {}
+    """node -> pinned strategy index; layers that share variables must agree."""
+    pins, shared = {}, {}
     for fqn, spec in placements.items():
         if fqn not in graph.params:
             raise AutoparError(f"cannot pin {fqn!r}: the model has no such parameter")
@@ -237,10 +310,10 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None
         for i, s in enumerate(strategies[name]):
             if fmt_spec(s.output) == text:
                 rep = classes[name] if classes else name
-                if pins.get(rep, i) != i:
+                if shared.get(rep, i) != i:
                     raise AutoparError(f"cannot pin {fqn} to {text}: it shares its layer class's placement "
                                        "(compile with cluster_layers=False to pin layers differently)")
-                pins[rep] = i
+                shared[rep] = pins[name] = i
                 break
         else:
             valid = [fmt_spec(s.output) for s in strategies[name]]

@@ -135,6 +135,15 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     if hits:
         con.print(f"stage ILPs: {hits['hits']} solved layer classes from the plan cache, {hits['misses']} solved "
                   "now")
+    for k in sv.get("layer_classes") or []:
+        span = f"layer class {k['layers'][0]} .. {k['layers'][-1]} ({len(k['layers'])} layers)"
+        if k["shared"] == len(k["layers"]):
+            con.print(f"{span}: one set of ILP variables")
+        elif k["shared"] == 0:
+            con.print(f"{span}: solved layer by layer, the gradient sync window bound ({k['solves']} solves)")
+        else:
+            con.print(f"{span}: first {k['own_front']} and last {k['own_back']} solved on their own, "
+                      f"{k['shared']} share one set of ILP variables ({k['solves']} solves)")
     for what, count in (sv.get("pruned") or {}).items():
         con.print(f"pruned before solving: {count} {what}")
     if plan.recompute.get("layers"):

@@ -80,6 +80,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
     ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend)
+    pinned = {ilp.rep[name]: i for name, i in (pinned or {}).items()}
     ilp.choose_strategies(pinned, optimizer_step)
     ilp.working_sets()
     ilp.reshard_edges()
@@ -94,13 +95,14 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             need = ilp.least_memory(rows, params)
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
         raise InfeasibleError(f"the ILP found no plan: solver status {_NAMES.get(status, status)}")
-    chosen, used, value, bound, status_name = result
+    chosen, used, value, bound, status_name, exposed = result
     choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
     model = ilp.model
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "memory_never_binds": memory_budget is None or ilp.most <= memory_budget, "pruned": pruned,
-                     "backend": backend, "solved_nodes": len(ilp.count),
+                     "backend": backend, "exposed_sync_s": exposed, "window_exposed_s": ilp.first_exposed_s,
+                     "solved_nodes": len(ilp.count),
                      "clustered_nodes": len(graph.nodes) - len(ilp.count)})
 
 
@@ -145,6 +147,7 @@ class _ILP:
         self.used_vars: list = []  # a shared reshard's variable (used by some edge)
         self.largest_transient = 0.0
         self.most = math.inf
+        self.first_exposed_s = 0.0  # the sync left exposed by the optimum with gradient sync free
 
     def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
         """x[n][s]: one binary per strategy of each representative, exactly one
@@ -383,12 +386,13 @@ class _ILP:
         return (self.snapshot(_NAMES[status]) if status in _OK else None), status, params
 
     def snapshot(self, status_name: str, extra_us: float = 0.0) -> tuple:
-        """(choices, memory, objective s, bound s, status) of the current solution."""
+        """(choices, memory, objective s, bound s, status, exposed gradient sync s) of the current solution."""
         chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in self.x.items()}
         value = lambda v: 1.0 if v.solution_value() > 0.5 else 0.0  # noqa: E731
         total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
         used = total(self.always) + max(sum(self.timeline.peak(value)), total(self.late) - total(self.always))
-        return chosen, used, (self.obj.Value() + extra_us) / US, self.obj.BestBound() / US, status_name
+        exposed = self.window.exposed(value) / US if self.overlap else 0.0
+        return chosen, used, (self.obj.Value() + extra_us) / US, self.obj.BestBound() / US, status_name, exposed
 
     def price_exposed_sync(self, result: tuple, params, left_s: float) -> tuple:
         """Solved with gradient sync free. If some of the plan's sync cannot
@@ -398,10 +402,10 @@ class _ILP:
         If the second solve finds nothing in the time left, the first plan
         stands, priced with its exposed sync (status FEASIBLE)."""
         model, window = self.model, self.window
-        short = window.exposed(lambda v: v.solution_value())
-        if short <= 1e-9:
+        short = self.first_exposed_s = window.exposed(lambda v: v.solution_value()) / US
+        if short <= 1e-15:
             return result
-        result = self.snapshot("FEASIBLE", short)
+        result = self.snapshot("FEASIBLE", short * US)
         if left_s <= 1.0:
             return result
         exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")

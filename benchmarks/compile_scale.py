@@ -103,24 +103,37 @@ def stage_ilps(workers: int, cache: str | None) -> dict:
             "ilps": len(solver["pipeline_search"]["microbatches_tried"])}
 
 
-def clustered_vs_unclustered() -> dict:
+# (layers, hidden, heads, seq, vocab, batch, mesh): small GPTs whose
+# unclustered ILP solves in seconds to a minute here, on 1-D and 2-D meshes
+GAP_MODELS = [
+    (4, 1024, 16, 128, 1024, 8, (2, 4)),
+    (4, 512, 8, 128, 1024, 8, (2, 4)),
+    (5, 128, 4, 32, 256, 8, (2, 4)),
+    (6, 256, 8, 64, 512, 16, (8,)),
+    (3, 768, 12, 256, 2048, 8, (2, 2)),
+    (4, 256, 8, 64, 512, 16, (4,)),
+]
+
+
+def clustered_vs_unclustered(layers, hidden, heads, seq, vocab, batch, mesh) -> dict:
     import torch
 
     import autopar
     from gpt import GPT, GPTConfig, lm_loss
 
-    cfg = GPTConfig(vocab=1024, seq=128, hidden=1024, heads=16, layers=4)
+    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers)
     with torch.device("meta"):
         model = GPT(cfg)
-        idx = torch.randint(0, cfg.vocab, (8, cfg.seq))
-        target = torch.randint(0, cfg.vocab, (8, cfg.seq))
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+        target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     out = {}
     for clustered in (True, False):
-        plan = autopar.compile(model, (idx, target), mesh=(2, 4), cluster="dgx-a100", loss_fn=lm_loss,
+        t = time.perf_counter()
+        plan = autopar.compile(model, (idx, target), mesh=mesh, cluster="dgx-a100", loss_fn=lm_loss,
                                cluster_layers=clustered, time_limit_s=300)
-        out[clustered] = (plan.solver["objective"], plan.solver["wall_s"], plan.solver["status"])
-    return {"clustered": out[True], "unclustered": out[False],
-            "gap": out[True][0] / out[False][0] - 1}
+        out[clustered] = (plan.solver["objective"], time.perf_counter() - t, plan.solver["status"],
+                          plan.solver.get("layer_classes") or [])
+    return {"clustered": out[True], "unclustered": out[False], "gap": out[True][0] / out[False][0] - 1}
 
 
 def _row(flag: str, name: str, *extra: str) -> dict | None:
@@ -139,7 +152,11 @@ def main():
     ap.add_argument("--layers", type=int, help="with --pipelined: another depth")
     ap.add_argument("--devices", type=int, help="with --pipelined: another device count")
     ap.add_argument("--cache", help="with --pipelined: a plan cache directory")
+    ap.add_argument("--gaps", action="store_true", help="only the clustered-vs-unclustered table")
     args = ap.parse_args()
+    if args.gaps:
+        gaps()
+        return
     if args.one:
         print(json.dumps(one(args.one)))
         return
@@ -183,10 +200,21 @@ def main():
             hits = r["layer_cache"]
             print(f"{label:24} planner {r['planner_s']:>5.2f} s (command {r['wall_s']:.2f} s), {r['ilps']} ILPs"
                   + (f", {hits['hits']} from the cache" if hits else ""))
-    c = clustered_vs_unclustered()
-    print(f"\nGPT 4x1024 on a 2x4 mesh: clustered objective {c['clustered'][0] * 1e3:.4f} ms "
-          f"({c['clustered'][1]:.1f} s, {c['clustered'][2]}), unclustered {c['unclustered'][0] * 1e3:.4f} ms "
-          f"({c['unclustered'][1]:.1f} s, {c['unclustered'][2]}): clustered is {c['gap']:+.3%} off the optimum")
+    gaps()
+
+
+def gaps():
+    print("\nclustered solve against the unclustered optimum (compile s; peeled: layers at the ends of the class "
+          "solved on their own, solves):")
+    print(f"{'GPT':>22} {'mesh':>6} {'clustered ms':>13} {'s':>6} {'peeled':>7} {'solves':>6} {'unclustered ms':>15} "
+          f"{'s':>6} {'gap':>8}")
+    for layers, hidden, heads, seq, vocab, batch, mesh in GAP_MODELS:
+        c = clustered_vs_unclustered(layers, hidden, heads, seq, vocab, batch, mesh)
+        (cobj, cs, _, classes), (uobj, us, _, _) = c["clustered"], c["unclustered"]
+        peeled = sum(k["own_front"] + k["own_back"] for k in classes)
+        solves = max((k["solves"] for k in classes), default=1)
+        print(f"{f'{layers}x{hidden} seq {seq} b {batch}':>22} {'x'.join(map(str, mesh)):>6} {cobj * 1e3:>13.4f} "
+              f"{cs:>6.1f} {peeled:>7} {solves:>6} {uobj * 1e3:>15.4f} {us:>6.1f} {c['gap']:>+8.3%}", flush=True)
 
 
 if __name__ == "__main__":

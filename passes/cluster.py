@@ -25,8 +25,10 @@ def layer_of(node) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def layer_classes(graph: Graph) -> dict[str, str]:
-    """node name -> representative node name (itself when not clustered)."""
+def repeated_layers(graph: Graph) -> list[list[list[str]]]:
+    """Classes of identical layers, each a list of its instances in layer
+    order, each instance its node names in graph order. Layers without a twin
+    are left out."""
     members: dict = defaultdict(list)
     for node in graph.nodes.values():
         if node.kind in (NodeKind.OP, NodeKind.PARAM):
@@ -36,18 +38,54 @@ def layer_classes(graph: Graph) -> dict[str, str]:
     by_list: dict = defaultdict(list)
     for (lst, i), names in members.items():
         by_list[lst].append((i, names))
-    rep = {name: name for name in graph.nodes}
+    classes: dict = {}
     for lst, layers in by_list.items():
-        layers.sort()
-        signatures: dict = {}
-        for i, names in layers:
-            sig = _signature(graph, names)
-            if sig in signatures:
-                for mine, theirs in zip(names, signatures[sig]):
-                    rep[mine] = theirs
-            else:
-                signatures[sig] = names
+        for i, names in sorted(layers):
+            classes.setdefault((lst, _signature(graph, names)), []).append(names)
+    return [instances for instances in classes.values() if len(instances) > 1]
+
+
+Ends = tuple[tuple[int, int], ...]
+"""Per class, how many instances at its front and at its back have their own
+variables; the instances in between share the first of them's."""
+
+
+def layer_classes(graph: Graph, ends: Ends | None = None, layers: list | None = None) -> dict[str, str]:
+    """node name -> representative node name (itself when not clustered).
+    ``ends`` (default: none) peels instances off each class's ends
+    (``deeper_ends``); ``layers`` is ``repeated_layers(graph)`` if known."""
+    layers = repeated_layers(graph) if layers is None else layers
+    rep = {name: name for name in graph.nodes}
+    for k, instances in enumerate(layers):
+        front, back = ends[k] if ends else (0, 0)
+        shared = instances[front:len(instances) - back]
+        for names in shared[1:]:
+            for mine, theirs in zip(names, shared[0]):
+                rep[mine] = theirs
     return rep
+
+
+def deeper_ends(layers: list, ends: Ends, choice: dict) -> Ends:
+    """Peel the first and last instance off each class at first; then one
+    more instance off an end of a class where the solved plan
+    gives its outermost shared instance's neighbour a different strategy:
+    where a layer's position changes its best strategy (the first layer's
+    gradient sync has the least backward compute left to hide under; the
+    last layer feeds the head), the next one may differ too. Unchanged ends
+    mean every class's shared instances agree with the peeled ones around
+    them."""
+    out = []
+    for instances, (front, back) in zip(layers, ends):
+        n = len(instances)
+        same = lambda a, b: all(choice[x] == choice[y] for x, y in zip(instances[a], instances[b]))  # noqa: E731
+        if front + back < n - 1 and (front == 0 or not same(front - 1, front)):
+            front += 1
+        if front + back < n - 1 and (back == 0 or not same(n - back, n - back - 1)):
+            back += 1
+        if (front, back) != ends[len(out)] and n - front - back <= 2:
+            front, back = n, 0  # sharing one set between two saves less than solving again costs
+        out.append((front, back))
+    return tuple(out)
 
 
 def _signature(graph: Graph, names: list[str]) -> tuple:
