@@ -201,12 +201,10 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         the classes' ends, deeper while that pays more than the solver's
         relative gap and time is left. A peeled solve that finds nothing in
         its time leaves the best plan so far."""
-        ends, best, solves, first_wall = classes.first, None, 0, 0.0
+        ends, best, solves, cap = classes.first, None, 0, math.inf
         deadline = time.perf_counter() + options["time_limit_s"]
         while True:
-            left = deadline - time.perf_counter()
-            if best is not None:  # a refinement: bounded by the clustered solve's time
-                left = min(left, max(PEEL_MIN_S, PEEL_TIME_FACTOR * first_wall))
+            left = min(deadline - time.perf_counter(), cap)
             try:
                 sol = solve(graph, strategies, ctx, memory_budget=budget, classes=classes(ends), recomputed=rc,
                             **{**options, "time_limit_s": left})
@@ -214,23 +212,23 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
                 if best is None:
                     return e
                 log.info("layer classes: no plan from solve %d (%s)", solves + 1, e)
-                best[0].extra["layer_classes"] = classes.summary(best[1], solves)
-                return best[0]
+                break
             solves += 1
-            if best is None:
-                first_wall = sol.wall_s
+            if best is None:  # a refinement is bounded by the clustered solve's time
+                cap = max(PEEL_MIN_S, PEEL_TIME_FACTOR * sol.wall_s)
             gain = best[0].objective_s - sol.objective_s if best else math.inf
-            if best is None or gain > 0:
+            if gain > 0:
                 best = (sol, ends)
             deeper = deeper_ends(classes.layers, ends, sol.choice)
             tolerance = options["relative_gap"] * sol.objective_s
             if deeper == ends or gain <= tolerance or deadline - time.perf_counter() < PEEL_MIN_S \
                     or (solves == 1 and sol.extra["window_exposed_s"] <= tolerance):
-                best[0].extra["layer_classes"] = classes.summary(best[1], solves)
-                return best[0]
+                break
             log.info("layer classes: solve %d gave %.4f ms in %.1f s; peeling the ends to %s", solves,
                      sol.objective_s * 1e3, sol.wall_s, deeper)
             ends = deeper
+        best[0].extra["layer_classes"] = classes.summary(best[1], solves)
+        return best[0]
 
     def settles(rc, sol) -> bool:
         """Without recomputation, memory never binds: recomputing only adds time."""
@@ -266,10 +264,9 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
 
 class _Classes:
     """The representatives the ILP shares variables by: each class of
-    repeated layers (passes/cluster.py) with its first and last instance
-    solved on their own to begin with, peeled deeper while a solve says the
-    next instance wants another strategy (``deeper_ends``); a tied weight has
-    one placement under all its names."""
+    repeated layers (passes/cluster.py) sharing one set to begin with
+    (``first``), with instances peeled off its ends as ``deeper_ends`` says;
+    a tied weight has one placement under all its names."""
 
     def __init__(self, graph: Graph, layers: list):
         self.graph, self.layers = graph, layers

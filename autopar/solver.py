@@ -95,13 +95,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             need = ilp.least_memory(rows, params)
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
         raise InfeasibleError(f"the ILP found no plan: solver status {_NAMES.get(status, status)}")
-    chosen, used, value, bound, status_name, exposed = result
+    chosen, used, value, bound, status_name = result
     choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
     model = ilp.model
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "memory_never_binds": memory_budget is None or ilp.most <= memory_budget, "pruned": pruned,
-                     "backend": backend, "exposed_sync_s": exposed, "window_exposed_s": ilp.first_exposed_s,
+                     "backend": backend, "window_exposed_s": ilp.first_exposed_s,
                      "solved_nodes": len(ilp.count),
                      "clustered_nodes": len(graph.nodes) - len(ilp.count)})
 
@@ -386,13 +386,12 @@ class _ILP:
         return (self.snapshot(_NAMES[status]) if status in _OK else None), status, params
 
     def snapshot(self, status_name: str, extra_us: float = 0.0) -> tuple:
-        """(choices, memory, objective s, bound s, status, exposed gradient sync s) of the current solution."""
+        """(choices, memory, objective s, bound s, status) of the current solution."""
         chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in self.x.items()}
         value = lambda v: 1.0 if v.solution_value() > 0.5 else 0.0  # noqa: E731
         total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
         used = total(self.always) + max(sum(self.timeline.peak(value)), total(self.late) - total(self.always))
-        exposed = self.window.exposed(value) / US if self.overlap else 0.0
-        return chosen, used, (self.obj.Value() + extra_us) / US, self.obj.BestBound() / US, status_name, exposed
+        return chosen, used, (self.obj.Value() + extra_us) / US, self.obj.BestBound() / US, status_name
 
     def price_exposed_sync(self, result: tuple, params, left_s: float) -> tuple:
         """Solved with gradient sync free. If some of the plan's sync cannot
@@ -402,10 +401,11 @@ class _ILP:
         If the second solve finds nothing in the time left, the first plan
         stands, priced with its exposed sync (status FEASIBLE)."""
         model, window = self.model, self.window
-        short = self.first_exposed_s = window.exposed(lambda v: v.solution_value()) / US
-        if short <= 1e-15:
+        short = window.exposed(lambda v: v.solution_value())
+        self.first_exposed_s = short / US
+        if short <= 1e-9:
             return result
-        result = self.snapshot("FEASIBLE", short * US)
+        result = self.snapshot("FEASIBLE", short)
         if left_s <= 1.0:
             return result
         exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")

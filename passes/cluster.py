@@ -75,14 +75,14 @@ def deeper_ends(layers: list, ends: Ends, choice: dict) -> Ends:
     mean every class's shared instances agree with the peeled ones around
     them."""
     out = []
-    for instances, (front, back) in zip(layers, ends):
-        n = len(instances)
+    for instances, start in zip(layers, ends):
+        (front, back), n = start, len(instances)
         same = lambda a, b: all(choice[x] == choice[y] for x, y in zip(instances[a], instances[b]))  # noqa: E731
         if front + back < n - 1 and (front == 0 or not same(front - 1, front)):
             front += 1
         if front + back < n - 1 and (back == 0 or not same(n - back, n - back - 1)):
             back += 1
-        if (front, back) != ends[len(out)] and n - front - back <= 2:
+        if (front, back) != start and n - front - back <= 2:
             front, back = n, 0  # sharing one set between two saves less than solving again costs
         out.append((front, back))
     return tuple(out)
