@@ -10,9 +10,10 @@ from autopar.errors import (
 )
 from autopar.mesh import Mesh, parse_mesh
 from autopar.plan import Plan
+from autopar.runtime import shutdown
 
 __all__ = [
     "autoparallelize", "compile", "Plan", "Mesh", "parse_mesh", "AutoparError", "ClusterError",
-    "InfeasibleError", "LaunchError", "MeshError", "PlanError", "ShardingError",
+    "InfeasibleError", "LaunchError", "MeshError", "PlanError", "ShardingError", "shutdown",
 ]
 __version__ = "0.1.0"

@@ -284,7 +284,7 @@ def main():
             print(f"agreement with single device: loss rel err {{loss_err:.2e}}, parameter rel err {{worst:.2e}}")
         if worst > 1e-5 or loss_err > 1e-5:
             raise SystemExit("autopar: the parallel run disagrees with single-device training")
-    autopar.runtime.shutdown()
+    autopar.runtime.shutdown(exit_code=0)
 
 
 if __name__ == "__main__":

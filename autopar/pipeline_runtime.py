@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 
 import torch
@@ -637,7 +636,7 @@ def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, sch
     return report
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="autopar.pipeline_runtime", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", nargs="+", metavar="FILE.py:FACTORY", required=True,
@@ -668,7 +667,7 @@ def main(argv=None) -> int:
     dist.all_gather_object(locals_, [r["local_parameters"] for r in reports])
     for i, r in enumerate(reports):
         r["local_parameters_by_rank"] = [x[i] for x in locals_]
-    return finish(reports, ok, args.tol, args.json, lambda r: (
+    finish(reports, ok, args.tol, args.json, lambda r: (
         f"{r['source']} on {r['mesh']} ({r['plan']['schedule']}, {r['plan']['microbatches']} microbatches, "
         f"recompute {r['plan']['recompute']['mode']}, stages {[s['layers'] for s in r['plan']['stages']]}): "
         f"loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, param rel err after {args.steps} AdamW "
@@ -676,4 +675,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

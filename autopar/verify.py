@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import random
-import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from autopar.cost_models.graph_costs import CostContext
 from autopar.mesh import parse_mesh
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.plan import Plan
-from autopar.runtime import ParallelModule, agreed_plan, init_distributed, load_factory, relative_error
+from autopar.runtime import ParallelModule, agreed_plan, init_distributed, load_factory, relative_error, shutdown
 from autopar.solver import Solution
 
 
@@ -155,14 +154,15 @@ def main(argv=None):
                 reports.append({**r, "source": source, "mesh": mesh,
                                 "label": f"{name} mesh {mesh}, random plan {seed}".strip()})
     ok = all(max(r["loss_rel"], r["grad"], r["param"]) <= args.tol for r in reports)
-    return finish(reports, ok, args.tol, args.json, lambda r: (
+    finish(reports, ok, args.tol, args.json, lambda r: (
         f"{r['label']}: loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, "
         f"param rel err after {args.steps} AdamW steps {r['param']:.1e} (max abs {r['param_max_abs']:.1e})"))
 
 
-def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> int:
+def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> None:
     """Rank 0 prints a line per report and the verdict (and writes the reports
-    as JSON); every rank leaves the process group. The exit status says ok."""
+    as JSON); every rank leaves the process group and exits, its status saying
+    ok (autopar.runtime.shutdown)."""
     if dist.get_rank() == 0:
         for r in reports:
             print(line(r))
@@ -170,10 +170,8 @@ def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> 
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(reports, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    shutdown(exit_code=0 if ok else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

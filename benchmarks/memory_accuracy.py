@@ -20,7 +20,7 @@ import autopar  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.codegen import build_program, load_program, program_source  # noqa: E402
 from autopar.memtrack import LiveBytes  # noqa: E402
-from autopar.runtime import ParallelModule, init_distributed, load_factory  # noqa: E402
+from autopar.runtime import ParallelModule, init_distributed, load_factory, shutdown  # noqa: E402
 
 FASTNET = "tests/fixtures/fastnet.json"
 CASES = [  # (factory, mesh, cluster, per-device budget in MiB or None, recomputation)
@@ -74,7 +74,7 @@ def main():
             print(f"{s:25} {m:4} {os.path.basename(c):12} {b or '-':>6} {r:9} {zero:22} {pred / 2**20:13.2f} "
                   f"{meas / 2**20:12.2f} {pred / meas - 1:+7.1%}")
         print(f"mean absolute error {sum(errors) / len(errors):.1%}")
-    dist.destroy_process_group()
+    shutdown(exit_code=0)
 
 
 if __name__ == "__main__":

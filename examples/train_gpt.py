@@ -42,7 +42,7 @@ def main():
     state = pmodel.state_dict()  # full tensors, original names, on every rank
     if args.save and dist.get_rank() == 0:
         torch.save(state, args.save)
-    dist.destroy_process_group()
+    autopar.shutdown(exit_code=0)  # every rank leaves together, after rank 0 has saved
 
 
 if __name__ == "__main__":
