@@ -35,8 +35,8 @@ DOC = os.path.join(REPO, "docs", "validation.md")
 # --- published runs ---------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PublishedRun:
-    """One row of Narayanan et al. (SC'21) Table 1."""
+class RunShape:
+    """Model and parallel layout of a published run (sequence 2048, vocabulary 51200)."""
 
     params_b: float
     """Parameters, billions (as published)."""
@@ -48,6 +48,12 @@ class PublishedRun:
     gpus: int
     batch: int
     """Global batch, sequences."""
+
+
+@dataclass(frozen=True)
+class PublishedRun(RunShape):
+    """One row of Narayanan et al. (SC'21) Table 1."""
+
     tflops: float
     """Achieved TFLOP/s per GPU (96-coefficient formula)."""
 
@@ -79,19 +85,20 @@ def virtual_stages(layers: int, pp: int) -> int:
     return next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
 
 
-def megatron_setup(row: PublishedRun) -> tuple[TransformerConfig, TrainingPlan, int]:
+def megatron_setup(row: RunShape, **techniques) -> tuple[TransformerConfig, TrainingPlan, int]:
     """The model, plan and node count of one published run, as Megatron-LM ran it
     in 2021: fp16 mixed precision, full recomputation, interleaved 1F1B, unfused
     attention (FlashAttention came in 2022) and gradients all-reduced after the
-    pipeline flush (no overlap; that came to Megatron-LM in 2023)."""
+    pipeline flush (no overlap; that came to Megatron-LM in 2023);
+    ``techniques`` replace plan fields (a later run's)."""
     model = TransformerConfig(row.layers, row.hidden, row.heads, MEGATRON_SEQ, MEGATRON_VOCAB)
-    plan = TrainingPlan(
-        batch=row.batch, microbatch=MEGATRON_MICROBATCH, tp=row.tp, pp=row.pp,
-        dp=row.gpus // (row.tp * row.pp), virtual_stages=virtual_stages(row.layers, row.pp),
-        recompute=Recompute.FULL, precision=Precision.FP16, attention=AttentionKernel.UNFUSED,
-        overlap_grad_reduce=False,
-    )
-    return model, plan, row.gpus // 8
+    plan = TrainingPlan(**{
+        "batch": row.batch, "microbatch": MEGATRON_MICROBATCH, "tp": row.tp, "pp": row.pp,
+        "dp": row.gpus // (row.tp * row.pp), "virtual_stages": virtual_stages(row.layers, row.pp),
+        "recompute": Recompute.FULL, "precision": Precision.FP16, "attention": AttentionKernel.UNFUSED,
+        "overlap_grad_reduce": False, **techniques,
+    })
+    return model, plan, max(1, row.gpus // 8)
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,48 @@ def mape(results: list[RowResult]) -> float:
 
 def max_error(results: list[RowResult]) -> float:
     return float(max(abs(r.error) for r in results))
+
+
+# --- out of sample: selective recomputation and sequence parallelism (2022) ---------------
+
+@dataclass(frozen=True)
+class SelectiveRun(RunShape):
+    """One configuration of Korthikanti et al., *Reducing Activation Recomputation
+    in Large Transformer Models* (MLSys'23, arXiv 2205.05198), Table 3, with the
+    model FLOPs utilisation of its "present work" column (sequence parallelism +
+    selective recomputation), as the Megatron-LM README tabulates it. Data
+    parallel size one."""
+
+    mfu: float
+
+
+SELECTIVE_ROWS = (
+    SelectiveRun(22, 64, 6144, 48, 8, 1, 8, 4, 0.415),
+    SelectiveRun(175, 96, 12288, 96, 8, 8, 64, 64, 0.514),
+    SelectiveRun(530, 128, 20480, 105, 8, 35, 280, 280, 0.560),
+    SelectiveRun(1000, 160, 25600, 128, 8, 64, 512, 512, 0.563),
+)
+
+
+@dataclass(frozen=True)
+class SelectiveResult:
+    row: SelectiveRun
+    plan: TrainingPlan
+    estimate: StepEstimate
+
+    @property
+    def error(self) -> float:
+        return (self.estimate.mfu - self.row.mfu) / self.row.mfu
+
+
+def predict_selective(cluster: Cluster | str = "dgx-a100") -> list[SelectiveResult]:
+    cluster = get_cluster(cluster)
+    out = []
+    for row in SELECTIVE_ROWS:
+        # the paper's two techniques, on the 2021 setup
+        model, plan, nodes = megatron_setup(row, sequence_parallel=True, recompute=Recompute.SELECTIVE)
+        out.append(SelectiveResult(row, plan, estimate(model, plan, cluster, nodes)))
+    return out
 
 
 # --- calibration of the A100 efficiencies -------------------------------------------------
@@ -164,29 +213,29 @@ def leave_one_out(cluster: Cluster | str = "dgx-a100") -> list[tuple[PublishedRu
 
 # --- measured runs on this machine ------------------------------------------------------
 
-MEASURED_MODELS = ("examples/mlp.py:small", "examples/gpt.py:small", "examples/llama.py:small")
+MEASURED_MODELS = ("examples/mlp.py:small", "examples/mlp.py:wide", "examples/gpt.py:small",
+                   "examples/llama.py:small", "examples/gpt.py:demo")
 MEASURED_MESH = "4"
 MEASURED_NPROC = 4
+MEASURED_STEPS = 10
+MEASURED_WINDOWS = 3
 
 
 def measure_emitted_programs() -> list[dict] | str:
     """Predicted vs measured step time of emitted programs (4 gloo ranks, ``cpu``
     profile), or the reason this section is skipped.
 
-    ---- HOOK: provided by the autopar runtime ----
     ``autopar.measure.measure_step_time(source, mesh, cluster, nproc)`` compiles
     ``source``, runs the emitted program under torchrun and returns a dict with
-    at least ``predicted_step_s`` and ``measured_step_s``. Until it exists, this
-    section is skipped; no number is made up."""
-    try:
-        from autopar.measure import measure_step_time
-    except ImportError:
-        return "autopar.measure.measure_step_time is not available yet"
+    at least ``predicted_step_s`` and ``measured_step_s``."""
+    from autopar.measure import measure_step_time
     rows = []
     for source in MEASURED_MODELS:
-        result = measure_step_time(source, mesh=MEASURED_MESH, cluster="cpu", nproc=MEASURED_NPROC)
+        result = measure_step_time(source, mesh=MEASURED_MESH, cluster="cpu", nproc=MEASURED_NPROC,
+                                   steps=MEASURED_STEPS, windows=MEASURED_WINDOWS)
         rows.append({"source": source, "predicted_s": float(result["predicted_step_s"]),
-                     "measured_s": float(result["measured_step_s"])})
+                     "measured_s": float(result["measured_step_s"]), "ops": result["op_nodes"],
+                     "collectives": result["collectives"], "comm_s": float(result["predicted"]["comm_s"])})
     return rows
 
 
@@ -213,7 +262,27 @@ def megatron_table(results: list[RowResult]) -> list[str]:
     return lines
 
 
-def report(results, fit=None, loo=None, measured=None) -> str:
+def selective_table(results: list[SelectiveResult]) -> list[str]:
+    lines = [
+        "| params (B) | t | p | v | m | published MFU | predicted MFU | error | bubble | memory/GPU |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        est = r.estimate
+        lines.append(
+            f"| {r.row.params_b} | {r.plan.tp} | {r.plan.pp} | {r.plan.virtual_stages} | {r.plan.microbatches} | "
+            f"{r.row.mfu:.1%} | {est.mfu:.1%} | {_pct(r.error)} | {est.time.bubble_s / est.step_time_s:.1%} | "
+            f"{est.peak_memory_bytes / 1e9:.1f} GB |")
+    return lines
+
+
+def _hfu(results: list[RowResult] | list[SelectiveResult], params_b: float) -> float:
+    """Predicted hardware FLOPs utilisation (recomputation counted) of one row."""
+    r = next(r for r in results if r.row.params_b == params_b)
+    return r.estimate.hardware_tflops_per_gpu * 1e12 / get_cluster("dgx-a100").device.flops("fp16")
+
+
+def report(results, fit=None, loo=None, measured=None, selective=None) -> str:
     cluster = get_cluster("dgx-a100")
     dev = cluster.device
     today = datetime.date.today().isoformat()
@@ -292,6 +361,35 @@ def report(results, fit=None, loo=None, measured=None) -> str:
         ]
         out += [f"| {row.params_b} | {g:.2f} | {m:.2f} | {_pct(e)} |" for row, g, m, e in loo]
         out += ["", f"Leave-one-out MAPE {100 * float(np.mean(errs)):.1f}%, largest {100 * max(errs):.1f}%."]
+    if selective:
+        errs = [abs(r.error) for r in selective]
+        out += [
+            "",
+            "### Out of sample: sequence parallelism and selective recomputation (2022)",
+            "",
+            "The four configurations of Korthikanti et al., *Reducing Activation Recomputation in Large",
+            "Transformer Models* (MLSys'23), Table 3, trained with both of that paper's techniques, against",
+            "the model FLOPs utilisation it reports (72-coefficient formula; as tabulated in the Megatron-LM",
+            "README). None of these runs was used to fit anything: same preset, same constants, same rule for",
+            "v and microbatch 1 as above; the plan differs only in `sequence_parallel=True,",
+            "recompute=selective` and data parallel size 1.",
+            "",
+        ]
+        out += selective_table(selective)
+        bias = float(np.mean([r.error for r in selective]))
+        out += [
+            "",
+            f"**MAPE {100 * float(np.mean(errs)):.1f}%**, largest error {100 * max(errs):.1f}%, mean signed error "
+            f"{_pct(bias)}.",
+            "",
+            "Every row is predicted slower than it ran, the larger models by more. The 1T model is in both",
+            "tables on the same kind of node: the 2021 run (full recomputation) reached 163 TFLOP/s counting",
+            "recomputed FLOPs, 52.2% of peak, and the 2022 run 57.0% (the README's hardware FLOPs",
+            f"utilisation); the model predicts {_hfu(results, 1008.0):.1%} and {_hfu(selective, 1000):.1%}. It credits",
+            "selective recomputation and sequence parallelism with the FLOPs, bytes and memory they save and",
+            "nothing more; whatever else made the 2022 software faster per FLOP is not itemised, and the",
+            "constants are not refitted to absorb it.",
+        ]
     out += ["", "## 2. Measured runs on this machine", ""]
     out += _measured_section(measured)
     return "\n".join(out) + "\n"
@@ -301,17 +399,34 @@ def _measured_section(measured) -> list[str]:
     lines = [f"Emitted programs of {', '.join(f'`{m}`' for m in MEASURED_MODELS)} on {MEASURED_NPROC} gloo ranks",
              "(mesh `" + MEASURED_MESH + "`) with the calibrated `cpu` profile (cost_models/profiles/cpu.json).", ""]
     if isinstance(measured, str) or measured is None:
-        return lines + [f"**Skipped**: {measured or 'not run'}. No numbers are reported until the runtime hook exists."]
-    lines += ["| model | predicted step (ms) | measured step (ms) | error |", "|---|---:|---:|---:|"]
+        return lines + [f"**Skipped**: {measured or 'not run'}."]
+    lines += ["| model | ops | collectives | predicted communication (ms) | predicted step (ms) | measured step (ms) "
+              "| error |", "|---|---:|---:|---:|---:|---:|---:|"]
     errs = []
     for m in measured:
         err = (m["predicted_s"] - m["measured_s"]) / m["measured_s"]
         errs.append(abs(err))
-        lines.append(f"| `{m['source']}` | {1e3 * m['predicted_s']:.1f} | {1e3 * m['measured_s']:.1f} | {_pct(err)} |")
-    return lines + ["", f"**MAPE {100 * float(np.mean(errs)):.1f}%** (acceptance: <= 20%).", "", NOISE]
+        lines.append(f"| `{m['source']}` | {m['ops']} | {m['collectives']} | {1e3 * m['comm_s']:.1f} | "
+                     f"{1e3 * m['predicted_s']:.1f} | {1e3 * m['measured_s']:.1f} | {_pct(err)} |")
+    return lines + ["", f"**MAPE {100 * float(np.mean(errs)):.1f}%** (acceptance: <= 20%).", "", CPU_MODEL, "", NOISE]
 
 
-NOISE = ("Each measurement is the median over 10 steps of the slowest rank. On this shared 2-core VM the same "
+CPU_MODEL = (
+    "What the prediction is made of on this machine: GEMMs at the measured per-rank rate (four ranks share two "
+    "cores, so the rate is measured with all four running), element-wise ops at the measured streaming bandwidth, "
+    "collectives at the fitted alpha-beta of the functional collectives, torch.optim's update as its separate passes "
+    "(80 bytes per element for AdamW) and per-parameter launches, and the runtime's own cost: a fixed time per op "
+    "and pass and per collective call, both measured through emitted programs by `autopar calibrate`. Where it "
+    "misses: the per-op cost is one number, measured on Linear and tanh, while ops differ (the Llama's many small "
+    "element-wise and view ops cost less each, so it is predicted slow); the per-collective cost is measured with "
+    "almost no compute between collectives, and ranks that share cores drift further apart over longer compute, so "
+    "the tensor-parallel `gpt.py:demo` is predicted fast.")
+
+
+NOISE = (f"Each measurement is the median of {MEASURED_WINDOWS} windows of {MEASURED_STEPS} back-to-back steps, "
+         "a window's step time being its length over its steps on the slowest rank (autopar/measure.py). Ops and "
+         "collectives "
+         "are per step as planned (collectives: logical ones, forward and backward). On this shared 2-core VM the same "
          "program's median moves by as much as a third between consecutive launches (gpt small: 36.4 to 51.3 ms "
          "within ten minutes on 2026-11-30), so a single report's MAPE near the 20% bar is within the noise; "
          "rerun it on an idle host before reading it as a cost-model change.")
@@ -330,7 +445,7 @@ def main(argv=None) -> int:
     measured = "--skip-measured was given" if args.skip_measured else measure_emitted_programs()
     if isinstance(measured, str):
         print(f"section 2 (measured runs) skipped: {measured}", file=sys.stderr)
-    text = report(results, fit, loo, measured)
+    text = report(results, fit, loo, measured, predict_selective())
     if args.stdout:
         print(text)
     else:

@@ -13,17 +13,25 @@ squares:
 - op_latency: the measured time of a one-element add
 - collective: seconds = steps * alpha + wire_bytes / bandwidth, with the ring's
   steps and wire bytes (2(n-1) and 2(n-1)/n S for all-reduce, n-1 and (n-1)/n S
-  for all-gather), both kinds in one fit, on absolute seconds.
+  for all-gather), both kinds in one fit, on absolute seconds; timed through
+  the functional collectives that emitted programs call.
+
+Last, the SPMD runtime's own costs are measured by running emitted programs
+priced with the new profile (autopar/measure.py): ``runtime_overhead`` (per op
+and pass, a chain of tiny ops) and ``collective_overhead`` (per collective
+call, Megatron MLP pairs with pinned sharded weights).
 
 The profile is a cluster JSON (docs/clusters.md) whose ``calibration`` field
 keeps the raw timings and the fit residuals.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,7 +201,32 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
               f"1-min load average before: {load_before:.2f}")
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
                                source=source, device_name=device_name, memory=memory, known_peaks=known)
-    with open(out_path, "w") as f:
+    _write(cluster, out_path)
+    # The runtime's own costs are measured by running programs priced with
+    # this profile less the overhead being measured: per op first (a chain
+    # without collectives), then per collective (priced with the first).
+    from autopar.measure import CHAIN_LAYERS, TP_PAIRS, collective_overhead, runtime_overhead
+    for field, measure, what in (
+            ("runtime_overhead", runtime_overhead,
+             f"the {2 * CHAIN_LAYERS}-op chain through the emitted program (step time beyond the cost model, "
+             "per op and pass)"),
+            ("collective_overhead", collective_overhead,
+             f"{TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the emitted program (step "
+             "time beyond the cost model, per collective)")):
+        runs = [measure(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
+        source += (f"; {field}: mean of {OVERHEAD_RUNS} autopar.measure.{measure.__name__}({nproc}) runs "
+                   f"({', '.join(f'{1e3 * r:.3f}' for r in runs)} ms), {what}")
+        cluster = dataclasses.replace(
+            cluster, device=dataclasses.replace(cluster.device, **{field: round(statistics.mean(runs), 6)}),
+            source=source)
+        _write(cluster, out_path)
+    return cluster
+
+
+OVERHEAD_RUNS = 2
+
+
+def _write(cluster: Cluster, path: str) -> None:
+    with open(path, "w") as f:
         json.dump(cluster.to_json(), f, indent=2)
         f.write("\n")
-    return cluster

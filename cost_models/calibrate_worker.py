@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 CPU_GEMM_SIZES = (64, 128, 256, 384, 512, 768, 1024)
 GPU_GEMM_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -100,17 +101,20 @@ def measure_op_latency(device: torch.device) -> float:
 
 
 def measure_collectives(device: torch.device, sizes) -> list[dict]:
-    world = dist.get_world_size()
+    """All-reduce and all-gather through the functional collectives, the path
+    emitted programs take (DTensor redistribute issues them, then waits on
+    the result): on gloo it costs more than the in-place c10d call (an output
+    buffer, the asynchronous work's hand-off)."""
+    world, group = dist.get_world_size(), dist.group.WORLD
     out = []
     for nbytes in sizes:
         numel = max(1, nbytes // 4)
         buf = torch.ones(numel, device=device)
         chunk = max(1, numel // world)
         shard = torch.ones(chunk, device=device)
-        gathered = torch.empty(chunk * world, device=device)
         for kind, fn, full in (
-            ("all_reduce", lambda: dist.all_reduce(buf), numel * 4),
-            ("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard), chunk * world * 4),
+            ("all_reduce", lambda: funcol.wait_tensor(funcol.all_reduce(buf, "sum", group)), numel * 4),
+            ("all_gather", lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)), chunk * world * 4),
         ):
             out.append({"kind": kind, "bytes": float(full), "seconds": _timed_collective(fn, device)})
     return out
@@ -153,8 +157,8 @@ def main(argv=None) -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(raw, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    from autopar.runtime import shutdown
+    shutdown(exit_code=0)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,12 @@ class Device:
     autograd bookkeeping), measured through the runtime itself by ``autopar
     calibrate`` (autopar/measure.py, runtime_overhead); 0 where not measured
     (the GPU presets, where host-side dispatch overlaps with device work)."""
+    collective_overhead: float = 0.0
+    """Seconds a collective call in an emitted program costs beyond its link's
+    alpha-beta time (the DTensor redistribution around it; on a host with more
+    ranks than cores, the ranks' skew when they meet), measured through the
+    runtime by ``autopar calibrate`` (autopar/measure.py, collective_overhead);
+    0 where not measured (the GPU presets)."""
 
     def __post_init__(self):
         where = f"device {self.name!r}"
@@ -101,6 +107,7 @@ class Device:
         _positive(where, "gemm_latency (s)", self.gemm_latency, allow_zero=True)
         _positive(where, "op_latency (s)", self.op_latency, allow_zero=True)
         _positive(where, "runtime_overhead (s)", self.runtime_overhead, allow_zero=True)
+        _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes the device does not list fall back to fp32."""

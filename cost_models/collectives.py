@@ -51,6 +51,8 @@ class AxisLinks:
     """Nodes the group spans (1 if the axis fits in a node)."""
     intra_link: Link
     inter_link: Link
+    call_overhead: float = 0.0
+    """Seconds each collective call adds beyond the links (Device.collective_overhead)."""
 
     @property
     def spans_nodes(self) -> bool:
@@ -82,7 +84,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> list[AxisLinks]
         else:
             intra = max(1, dpn // stride)
             inter = max(1, size // intra)
-        out.append(AxisLinks(size, intra, inter, cluster.intra_node, inter_link))
+        out.append(AxisLinks(size, intra, inter, cluster.intra_node, inter_link, cluster.device.collective_overhead))
     return out
 
 
@@ -129,6 +131,10 @@ def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
     kind, algorithm = Collective(kind), Algorithm(algorithm)
     if axis.size <= 1:
         return 0.0
+    return axis.call_overhead + _links_time(kind, nbytes, axis, algorithm)
+
+
+def _links_time(kind: Collective, nbytes: float, axis: AxisLinks, algorithm: Algorithm) -> float:
     if axis.inter == 1:
         intra_algorithm = Algorithm.RING if algorithm is Algorithm.BEST else algorithm
         return _ring(kind, nbytes, axis.size, axis.intra_link, intra_algorithm)

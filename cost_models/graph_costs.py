@@ -255,16 +255,31 @@ def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
     return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx)
 
 
+OPTIMIZER_PASSES = {"sgd": (1, 12), "sgd-momentum": (3, 32), "adam": (8, 72), "adamw": (9, 80)}
+"""(ops, bytes moved per fp32 parameter element) of one torch.optim step with
+its default arguments, each op a separate pass over the tensors
+(torch/optim/sgd.py and adam.py, the single-tensor and foreach paths alike).
+AdamW: param.mul_(1 - lr wd) 8 B, exp_avg.lerp_(grad) 12, exp_avg_sq.mul_ 8,
+.addcmul_(grad, grad) 12, sqrt 8, div 8, add_(eps) 8, param.addcdiv_ 16 = 80,
+and the step counter's increment; Adam the same without the weight decay (72);
+SGD param.add_(grad) 12; with momentum buf.mul_ 8, buf.add_(grad) 12,
+param.add_(buf) 12 = 32."""
+
+
 def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
-    """The optimizer's update of one parameter's local shard: a memory-bound
-    pass reading weights, gradients and states and writing weights and states
-    (fp32 masters under mixed precision). torch.optim's multi-tensor kernels
-    update all parameters in a few launches, so no per-parameter latency."""
+    """torch.optim's update of one parameter's local shard (fp32 masters under
+    mixed precision): ``OPTIMIZER_PASSES`` bytes per element at streaming
+    bandwidth, plus each op's launch on CPU ranks, where torch.optim loops
+    over the parameters one by one (torch/optim/optimizer.py,
+    _default_to_fused_or_foreach: the multi-tensor path is the default for
+    CUDA tensors only, and launches once for many parameters)."""
     if node.kind is not NodeKind.PARAM:
         return 0.0
     elements = math.prod(node.out.shape) / shard_factor(s.output, ctx.mesh_shape)
-    states = OPTIMIZER_STATES[ctx.optimizer]
-    return elements * 4 * (2 + 2 * states + 1) / ctx.cluster.device.streaming_bandwidth
+    ops, nbytes = OPTIMIZER_PASSES[ctx.optimizer]
+    device = ctx.cluster.device
+    launches = ops * device.op_latency if ctx.cluster.backend == "gloo" else 0.0
+    return launches + elements * nbytes / device.streaming_bandwidth
 
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, kept: float) -> float:

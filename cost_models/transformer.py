@@ -771,8 +771,9 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
         held += layer_activation_bytes(model, plan, Recompute.NONE) - \
             (layer_activation_bytes(model, plan) if plan.recompute is Recompute.SELECTIVE else 0.0)
     e, tokens = plan.precision.elem_bytes, plan.microbatch * model.seq
-    if stage == 0:
-        held += in_flight * (e + (1 if model.dropout else 0)) * tokens * model.hidden  # embedding output + mask
+    if stage == 0:  # embedding output + dropout mask, scattered over tp under sequence parallelism
+        shards = plan.tp if plan.sequence_parallel else 1
+        held += in_flight * (e + (1 if model.dropout else 0)) * tokens * model.hidden / shards
     if stage == p - 1:
         held += (e + 4) * tokens * padded_vocab(model, plan) / plan.tp  # logits and fp32 softmax
     return held

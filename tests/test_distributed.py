@@ -186,3 +186,14 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
         if "resnet" in r["source"]:
             assert any(k.startswith("batch_norm") and s.startswith("(S(0)")
                        for k, s in r["plan"]["strategies"].items()), r["label"]
+
+
+def test_measured_step_of_the_collective_chain():
+    """autopar.measure, which `autopar calibrate` and docs/validation.md run:
+    the collective chain's pinned Megatron pairs cannot run without
+    communication, and the launch reports its prediction and its timings."""
+    from autopar.measure import TP_PAIRS, measure_step_time
+    r = measure_step_time("tp-chain", mesh="2", cluster="cpu", nproc=2, steps=2, windows=3)
+    assert r["collectives"] >= TP_PAIRS
+    assert len(r["windows"]) == 3 and min(r["windows"]) > 0 and r["predicted_step_s"] > 0
+    assert r["measured_step_s"] == sorted(r["windows"])[1]
