@@ -245,7 +245,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         label = _label(name, rc)
         if isinstance(sol, InfeasibleError):
             errors.append(sol)
-            candidates.append({"recompute": label, "status": "INFEASIBLE"})
+            candidates.append({"recompute": label, "status": sol.status})
             continue
         candidates.append({"recompute": label, "status": sol.status,
                            "objective": sol.objective_s, "memory_bytes": sol.memory_bytes})

@@ -26,8 +26,10 @@ class LaunchError(AutoparError):
 
 
 class InfeasibleError(AutoparError):
-    """No plan fits the per-device memory budget."""
+    """No plan fits the per-device memory budget, or the solver found none in time."""
 
-    def __init__(self, message: str, *, needed_bytes: float | None = None):
+    def __init__(self, message: str, *, needed_bytes: float | None = None, status: str = "INFEASIBLE"):
         super().__init__(message)
         self.needed_bytes = needed_bytes
+        self.status = status
+        """The solver's verdict: INFEASIBLE (proved), or what stopped it (TIME LIMIT)."""

@@ -5,6 +5,7 @@ from torch import nn
 
 import autopar
 from autopar.errors import InfeasibleError, LaunchError
+from autopar.runtime import load_factory
 
 
 def forward_collectives(plan):
@@ -224,6 +225,15 @@ def test_single_device_fallback_is_explicit_and_warned(monkeypatch):
     assert torch.allclose(pm(*inputs), loss(model(inputs[0]), inputs[1]))
 
 
+def test_a_solve_out_of_time_says_so_not_infeasible():
+    """A solver stopped by its time limit has proved nothing: the error (and
+    a recompute option's candidate status) says TIME LIMIT and how to raise it."""
+    model, inputs, loss_fn = load_factory("examples/gpt.py:small")
+    with pytest.raises(InfeasibleError, match=r"no plan within its 0\.01 s time limit .*--time-limit") as err:
+        autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=0.01)
+    assert err.value.status == "TIME LIMIT"
+
+
 def test_plan_for_another_model_is_rejected():
     from autopar.capture import capture
     from autopar.codegen import build_program
@@ -322,7 +332,6 @@ def test_plan_prices_the_sync_that_cannot_hide():
     backward compute (about two thirds of the compute: twice the forward's
     FLOPs), yet the first layer's gradients, made last, leave part of their
     sync exposed. (Left free, the planner finds a plan whose sync all hides.)"""
-    from autopar.runtime import load_factory
     model, inputs, loss = load_factory("examples/gpt.py:demo")
     replicated = {fqn: "R" for fqn, _ in model.named_parameters()}
     plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, parameter_placements=replicated)
@@ -339,7 +348,6 @@ def test_recomputation_options_solved_in_parallel_give_the_same_plan(monkeypatch
     """The options after the first (selective, full) are solved at once in
     forked workers; the plan is byte-identical to solving them one by one."""
     import autopar.solver
-    from autopar.runtime import load_factory
     model, inputs, loss = load_factory("examples/gpt.py:explicit")
     kw = dict(mesh=2, cluster="tests/fixtures/fastnet.json", loss_fn=loss, memory=8 * 2**20, deterministic=True)
     plans = {}
