@@ -57,8 +57,10 @@ def runtime_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> float
 
 TP_PAIRS = 12
 """The collective chain: 12 x (Linear(8, 32), tanh, Linear(32, 8)) with the
-first weight of each pair split by rows and the second by columns (Megatron's
-MLP), so every pair's output is a partial sum: tiny collectives between tiny ops."""
+first weight of each pair stored split by rows and the second by columns
+(Megatron's MLP), so that no pair runs without communication: tiny collectives
+(whichever the planner finds cheapest: all-reducing the partial outputs, or
+all-gathering the weights) between tiny ops."""
 
 
 def collective_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> float:
