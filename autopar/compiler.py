@@ -296,7 +296,7 @@ def _label(name: str, rc) -> str:
     return name
 
 
-def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None) -> dict:
+def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> dict:
     """node -> pinned strategy index; layers that share variables must agree."""
     pins, shared = {}, {}
     for fqn, spec in placements.items():
@@ -306,7 +306,7 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict | None
         text = "".join(spec)
         for i, s in enumerate(strategies[name]):
             if fmt_spec(s.output) == text:
-                rep = classes[name] if classes else name
+                rep = classes[name]
                 if shared.get(rep, i) != i:
                     raise AutoparError(f"cannot pin {fqn} to {text}: it shares its layer class's placement "
                                        "(compile with cluster_layers=False to pin layers differently)")

@@ -50,9 +50,14 @@ def runtime_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> float
     tiny ops is timed through the emitted program on ``nproc`` ranks, the
     cost model's prediction (without this overhead) is subtracted and the rest
     is divided by the op count, forward and backward."""
-    result = measure_step_time("chain", mesh=str(nproc), cluster=cluster, nproc=nproc, steps=steps)
-    ops = result["op_nodes"]
-    return max(0.0, (result["measured_step_s"] - result["predicted_step_s"]) / (2 * ops))
+    excess, result = _excess("chain", nproc, cluster, steps)
+    return max(0.0, excess / (2 * result["op_nodes"]))
+
+
+def _excess(source: str, nproc: int, cluster: str, steps: int) -> tuple[float, dict]:
+    """(measured minus predicted step seconds, the measurement) of a calibration chain."""
+    result = measure_step_time(source, mesh=str(nproc), cluster=cluster, nproc=nproc, steps=steps)
+    return result["measured_step_s"] - result["predicted_step_s"], result
 
 
 TP_PAIRS = 12
@@ -69,8 +74,8 @@ def collective_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> fl
     oversubscribed host the ranks' skew when they meet): the collective chain
     is timed on ``nproc`` ranks, its prediction (runtime overhead included,
     this one left out) subtracted, the rest divided by the collectives run."""
-    result = measure_step_time("tp-chain", mesh=str(nproc), cluster=cluster, nproc=nproc, steps=steps)
-    return max(0.0, (result["measured_step_s"] - result["predicted_step_s"]) / result["collectives"])
+    excess, result = _excess("tp-chain", nproc, cluster, steps)
+    return max(0.0, excess / result["collectives"])
 
 
 def _chain():
@@ -92,9 +97,18 @@ def _tp_chain():
     return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, pins
 
 
-CALIBRATION_CHAINS = {"chain": ("runtime_overhead", lambda: (*_chain(), None)),
-                      "tp-chain": ("collective_overhead", _tp_chain)}
-"""Models priced without the overhead they measure (autopar calibrate)."""
+CALIBRATION_CHAINS = {
+    "chain": ("runtime_overhead", lambda: (*_chain(), None), runtime_overhead,
+              f"the {2 * CHAIN_LAYERS}-op chain through the emitted program (step time beyond the cost model, "
+              "per op and pass)"),
+    "tp-chain": ("collective_overhead", _tp_chain, collective_overhead,
+                 f"{TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the emitted program (step "
+                 "time beyond the cost model, per collective)"),
+}
+"""source -> (the Device field it measures, the model (with its pins), the
+measuring function, what it runs). Each is priced without the overhead it
+measures; ``autopar calibrate`` measures them in this order, the second
+priced with the first."""
 
 
 def main(argv=None) -> None:
@@ -118,7 +132,7 @@ def main(argv=None) -> None:
     if args.source in CALIBRATION_CHAINS:  # priced without the overhead it measures
         from dataclasses import replace
         from autopar.cost_models.cluster import get_cluster
-        field, make = CALIBRATION_CHAINS[args.source]
+        field, make, _, _ = CALIBRATION_CHAINS[args.source]
         model, inputs, loss_fn, pins = make()
         base = get_cluster(cluster)
         cluster = replace(base, device=replace(base.device, **{field: 0.0}))

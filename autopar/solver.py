@@ -94,13 +94,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
             need = ilp.least_memory(rows, params)
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
+        name = _NAMES.get(status, str(status))
         if status != pywraplp.Solver.INFEASIBLE and wall >= 0.9 * time_limit_s:
             raise InfeasibleError(
-                f"the ILP found no plan within its {time_limit_s:.3g} s time limit (solver status "
-                f"{_NAMES.get(status, status)}, stopped after {wall:.1f} s without a plan or a proof that none "
-                "exists); raise it with time_limit_s= (autopar compile --time-limit)", status="TIME LIMIT")
-        raise InfeasibleError(f"the ILP found no plan: solver status {_NAMES.get(status, status)}",
-                              status=_NAMES.get(status, str(status)))
+                f"the ILP found no plan within its {time_limit_s:.3g} s time limit (solver status {name}, "
+                f"stopped after {wall:.1f} s without a plan or a proof that none exists); raise it with "
+                "time_limit_s= (autopar compile --time-limit)", status="TIME LIMIT")
+        raise InfeasibleError(f"the ILP found no plan: solver status {name}", status=name)
     chosen, used, value, bound, status_name = result
     choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
     model = ilp.model

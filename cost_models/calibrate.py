@@ -205,14 +205,8 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     # The runtime's own costs are measured by running programs priced with
     # this profile less the overhead being measured: per op first (a chain
     # without collectives), then per collective (priced with the first).
-    from autopar.measure import CHAIN_LAYERS, TP_PAIRS, collective_overhead, runtime_overhead
-    for field, measure, what in (
-            ("runtime_overhead", runtime_overhead,
-             f"the {2 * CHAIN_LAYERS}-op chain through the emitted program (step time beyond the cost model, "
-             "per op and pass)"),
-            ("collective_overhead", collective_overhead,
-             f"{TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the emitted program (step "
-             "time beyond the cost model, per collective)")):
+    from autopar.measure import CALIBRATION_CHAINS
+    for field, _, measure, what in CALIBRATION_CHAINS.values():
         runs = [measure(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
         source += (f"; {field}: mean of {OVERHEAD_RUNS} autopar.measure.{measure.__name__}({nproc}) runs "
                    f"({', '.join(f'{1e3 * r:.3f}' for r in runs)} ms), {what}")
