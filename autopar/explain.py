@@ -40,11 +40,22 @@ class Transfer:
     axis: str
     nbytes: float
     seconds: float
+    shared_with: tuple = ()
+    """Other consumers of the same reshard (``reshard_key``): the plan runs
+    it once for all of them."""
+    paid: bool = True
+    """False where a consumer the plan already has pays for this reshard
+    (an input edge whose placement another consumer of the producer wants
+    too): it adds nothing to this candidate's total."""
 
     def __str__(self) -> str:
         src, dst = (self.neighbour, self.node) if self.direction == "in" else (self.node, self.neighbour)
+        shared = ""
+        if self.shared_with:
+            shared = (f"; shared with {', '.join(self.shared_with)}" +
+                      (", counted once" if self.paid else ", which the plan runs anyway: not counted"))
         return (f"{self.phase:8s} {self.kind} on {self.axis}, {fmt_bytes(self.nbytes)}, {fmt_s(self.seconds)}"
-                f"  (edge {src} -> {dst})")
+                f"  (edge {src} -> {dst}{shared})")
 
 
 @dataclass
@@ -147,7 +158,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
         CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
-        saved_outputs, saves_input,
+        reshard_key, saved_outputs, saves_input, shares_reshard,
     )
     from autopar.passes.enumerate import enumerate_strategies
 
@@ -178,27 +189,56 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     producers = [(src, fmt_spec(planned_of(src).output)) for src in node.inputs]
     consumer_specs = [(c, fmt_spec(planned_of(c).inputs[i])) for c, i in consumers]
 
+    def key_of(consumer: str, idx: int, s: Strategy, src: str):
+        """What the plan shares ``consumer``'s reshard of input ``idx`` by (None: its own)."""
+        if not shares_reshard(graph.nodes[consumer]):
+            return None
+        return reshard_key(idx, s, mesh.ndim, consumer in grad and src in grad)
+
+    # per producer: the planned consumers (other than this node) by the reshard they share
+    wanted: dict = {}
+    for src in set(node.inputs):
+        for c, idx in graph.consumers()[src]:
+            key = key_of(c, idx, planned_of(c), src) if c != name else None
+            if key is not None:
+                wanted.setdefault((src, key), []).append((c, idx))
+
     candidates = []
     for s in strategies[name]:
         f, b = node_compute(node, s, ctx, name in grad)
         f += optimizer_time(node, s, ctx)  # parameters: the update of this shard
         transfers = []
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
+        mine: set = set()  # reshards of its inputs this candidate pays for
         for idx, src in enumerate(node.inputs):
             producer, meta = planned_of(src), graph.nodes[src].outputs[0]
             fwd, bwd = edge_moves(producer.output, s, idx, meta, ctx, name in grad and src in grad)
-            transfers += _transfers(src, "in", name, fwd, bwd, mesh.names)
+            key = key_of(name, idx, s, src)
+            others = wanted.get((src, key), []) if key is not None else []
+            paid = not others and (src, key) not in mine
+            if key is not None:
+                mine.add((src, key))
+            transfers += _transfers(src, "in", name, fwd, bwd, mesh.names, [c for c, _ in others], paid)
             if not producer.regather:
-                held += edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node))
+                keeps = edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node))
+                kept = max((edge_memory(producer.output, planned_of(c).inputs[j], meta, ctx,
+                                        c in grad and saves_input(graph.nodes[c])) for c, j in others), default=0.0)
+                held += max(0.0, keeps - kept)  # one copy per reshard, as large as its largest keeper's
+        groups: dict = {}  # consumers of its output by the reshard they share
         for c, idx in consumers:
+            key = key_of(c, idx, planned_of(c), name)
+            groups.setdefault((c, idx) if key is None else key, []).append((c, idx))
+        for group in groups.values():
+            c, idx = group[0]
             fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
-            transfers += _transfers(c, "out", name, fwd, bwd, mesh.names)
-            if replays(s.regather, False, c in grad):  # ZeRO-3: gathered again in backward
-                transfers += [Transfer(c, "out", name, "recompute", m.kind.value, mesh.names[m.axis], m.nbytes,
-                                       m.seconds) for m in fwd]
+            transfers += _transfers(c, "out", name, fwd, bwd, mesh.names, [o for o, _ in group[1:]], True)
+            for o, _ in group:
+                if replays(s.regather, False, o in grad):  # ZeRO-3: gathered again in backward, per consumer
+                    transfers += [Transfer(o, "out", name, "recompute", m.kind.value, mesh.names[m.axis],
+                                           m.nbytes, m.seconds) for m in fwd]
         candidates.append(Candidate(
-            str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in"),
-            sum(t.seconds for t in transfers if t.direction == "out"),
+            str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in" and t.paid),
+            sum(t.seconds for t in transfers if t.direction == "out" and t.paid),
             node_memory(node, s, ctx, kept_share.get(name, 0.0)) + held, str(s) == chosen_text, transfers))
     if not any(c.chosen for c in candidates):
         raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
@@ -213,8 +253,10 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget)
 
 
-def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names) -> list[Transfer]:
-    return [Transfer(neighbour, direction, node, phase, m.kind.value, axis_names[m.axis], m.nbytes, m.seconds)
+def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, shared_with: list,
+               paid: bool) -> list[Transfer]:
+    return [Transfer(neighbour, direction, node, phase, m.kind.value, axis_names[m.axis], m.nbytes, m.seconds,
+                     tuple(shared_with), paid)
             for phase, moves in (("forward", fwd), ("backward", bwd)) for m in moves]
 
 

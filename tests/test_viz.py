@@ -25,7 +25,7 @@ import pytest
 
 import autopar
 from autopar.errors import AutoparError, PlanError
-from autopar.explain import explain, explain_main, explain_node
+from autopar.explain import capture_plan_model, explain, explain_main, explain_node
 from autopar.plan import Plan
 from autopar.plandiff import diff_main, diff_plans, format_diff, layout
 from autopar.runtime import load_factory
@@ -509,16 +509,40 @@ def test_explain_lists_candidates_cheapest_first_with_the_chosen_marked(mlp_plan
 
 def test_explain_prices_the_chosen_strategy_as_the_plan_does(gpt_plan):
     e = explain_node(gpt_plan, "linear")
-    planned = gpt_plan.node("linear")
-    assert e.chosen.compute_s == pytest.approx(planned.compute_s)
-    assert e.chosen.memory_bytes == pytest.approx(planned.memory_bytes)
-    # explain prices each input edge on its own; the plan lists a reshard that
-    # several consumers share once, under the first of them
-    on_inputs = sum(c["seconds"] for c in gpt_plan.collectives if c["node"] == "linear")
-    shared = sum(c["seconds"] for c in gpt_plan.collectives
-                 if c["producer"] in planned.inputs and c["node"] != "linear")
-    assert on_inputs - 1e-12 <= e.chosen.comm_in_s <= on_inputs + shared + 1e-12
     assert e.runner_up.total_s >= e.chosen.total_s
+    # A reshard that several consumers want is run once (the plan lists it
+    # under its first consumer): every node's outgoing collectives in explain
+    # are exactly the plan's on edges from that node, each shared one once.
+    graph = capture_plan_model(gpt_plan)
+    shared = 0
+    for node in gpt_plan.nodes:
+        chosen = explain_node(gpt_plan, node.name, graph=graph).chosen
+        if node.op not in ("param", "buffer"):  # a parameter's compute is its optimizer update here
+            assert chosen.compute_s == pytest.approx(node.compute_s), node.name
+        # the plan counts a shared reshard's kept copy at its first consumer;
+        # explain at none of them (it is kept whatever this node chooses)
+        if all(t.paid for t in chosen.transfers):
+            assert chosen.memory_bytes == pytest.approx(node.memory_bytes), node.name
+        else:
+            assert chosen.memory_bytes <= node.memory_bytes + 1e-6, node.name
+        listed = [c for c in gpt_plan.collectives if c["producer"] == node.name]
+        assert chosen.comm_out_s == pytest.approx(sum(c["seconds"] for c in listed), abs=1e-12), node.name
+        shared += sum(1 for t in chosen.transfers if t.direction == "out" and t.shared_with)
+    assert shared > 0, "the demo plan has reshards shared by two consumers (the residual adds' outputs)"
+
+
+def test_explain_does_not_charge_a_reshard_another_consumer_runs_anyway(gpt_plan):
+    """An input reshard that another planned consumer of the producer wants
+    too is run by the plan anyway: it costs this node nothing."""
+    graph = capture_plan_model(gpt_plan)
+    free = []
+    for node in gpt_plan.nodes:
+        for t in explain_node(gpt_plan, node.name, graph=graph).chosen.transfers:
+            if t.direction == "in" and not t.paid:
+                assert t.shared_with and t.neighbour in gpt_plan.node(node.name).inputs
+                free.append(t)
+    assert free, "the demo plan has consumers sharing an input reshard"
+    assert "which the plan runs anyway: not counted" in str(free[0])
 
 
 def test_explain_unknown_target_suggests_close_names(mlp_plans, tmp_path, capsys):
