@@ -147,11 +147,31 @@ class SyncWindow:
                     add(compute, key, t)
 
     def exposed(self, value=lambda key: 1.0) -> float:
+        return self.most_exposed(value)[0]
+
+    def most_exposed(self, value=lambda key: 1.0) -> tuple[float, tuple | None]:
+        """(the exposed time, the point where it is: (link, index of the
+        point on it) or None when all sync hides)."""
         total = lambda table: sum(t * value(k) for k, t in table.items())  # noqa: E731
-        running, worst, current = 0.0, 0.0, None
+        running, worst, where, current, index = 0.0, 0.0, None, None, 0
         for link, syncs, compute in self.points():
-            running = 0.0 if link != current else running
+            running, index = (running, index + 1) if link == current else (0.0, 0)
             current = link
             running += total(syncs) - total(compute)
-            worst = max(worst, running)
-        return worst
+            if running > worst:
+                worst, where = running, (link, index)
+        return worst, where
+
+    def bound(self, where: tuple) -> dict:
+        """key -> coefficient of the lower bound of the exposed time at
+        ``where`` (a point ``most_exposed`` named): the syncs on its link up
+        to there minus the backward compute before it."""
+        out: dict = {}
+        link, index = where
+        points = [(syncs, compute) for at, syncs, compute in self.points() if at == link]
+        for syncs, compute in points[: index + 1]:
+            for key, t in syncs.items():
+                add(out, key, t)
+            for key, t in compute.items():
+                add(out, key, -t)
+        return out

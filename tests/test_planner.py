@@ -325,6 +325,50 @@ def test_sync_window_exposes_what_the_backward_left_cannot_hide():
     assert window.exposed() == pytest.approx(2.0 + 0.5 + 3.0 - 2.0)
 
 
+def test_exposed_sync_is_priced_with_the_bounds_the_plan_needs(monkeypatch):
+    """The solver adds the sync window's lower bounds one at a time, each
+    where the last plan's sync is most exposed, until the plan's exposure is
+    priced (lazy constraint generation). The result is the optimum of the
+    model with every bound at once, reached with fewer of them."""
+    import autopar.solver as solver
+    from autopar.timeline import SyncWindow
+    model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
+    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
+    used, points = {}, []  # per solve (its window): the bounds added
+    bound = SyncWindow.bound
+    monkeypatch.setattr(SyncWindow, "bound",
+                        lambda self, where: used.setdefault(id(self), []).append(where) or bound(self, where))
+    lazy = compile_()
+    monkeypatch.undo()
+
+    def every_bound(self, result, params, left_s):
+        model, window = self.model, self.window
+        self.first_exposed_s = window.exposed(lambda v: v.solution_value()) / solver.US
+        if self.first_exposed_s <= 1e-15:
+            return result
+        where = [(link, i) for link in {at for at, _, _ in window.points()}
+                 for i in range(sum(at == link for at, _, _ in window.points()))]
+        points.append(len(where))
+        exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
+        self.obj.SetCoefficient(exposed, 1.0)
+        for w in where:
+            row = model.Constraint(0.0, model.infinity())
+            row.SetCoefficient(exposed, 1.0)
+            for v, c in window.bound(w).items():
+                row.SetCoefficient(v, -c)
+        model.SetTimeLimit(int(left_s * 1000))
+        status = model.Solve(params)
+        return self.snapshot(solver._NAMES[status])
+
+    monkeypatch.setattr(solver._ILP, "price_exposed_sync", every_bound)
+    full = compile_()
+    assert lazy.solver["status"] == full.solver["status"] == "OPTIMAL"
+    assert lazy.solver["objective"] == pytest.approx(full.solver["objective"], rel=2e-4)
+    assert lazy.solver["objective"] == pytest.approx(lazy.predicted["step_time_s"])
+    # the clustered solve's plan is exposed at three points in turn
+    assert max(map(len, used.values())) >= 3 and all(len(u) < min(points) for u in used.values()), (used, points)
+
+
 def test_plan_prices_the_sync_that_cannot_hide():
     """The planned step pays the exposed gradient sync (the solver prices it
     the same way); without overlap it pays all of it. Data parallelism
