@@ -153,6 +153,7 @@ def main():
     ap.add_argument("--devices", type=int, help="with --pipelined: another device count")
     ap.add_argument("--cache", help="with --pipelined: a plan cache directory")
     ap.add_argument("--gaps", action="store_true", help="only the clustered-vs-unclustered table")
+    ap.add_argument("--flat", action="store_true", help="only the flat (no pipeline) table")
     args = ap.parse_args()
     if args.gaps:
         gaps()
@@ -172,6 +173,8 @@ def main():
         print(f"{r['model']:>6} {r['devices']:>5} {r['mesh']:>7} {r['total_s']:>8.1f} {r['capture_s']:>8.1f} "
               f"{r['strategies_s']:>7.1f} {r['solve_s']:>7.1f} {r['nodes']:>6} {r['solved_nodes']:>6} "
               f"{r['variables']:>7} {r['peak_rss_gb']:>7.2f} {r['step_s']:>12.2f} {r['mfu']:>6.1%}")
+    if args.flat:
+        return
     print("\nwith pipeline parallelism (pipeline_stages='auto', memory row enforced, 80 GB):")
     print(f"{'model':>6} {'GPUs':>5} {'total s':>8} {'RSS GB':>7}  {'plan':28} {'schedule':>17} {'step s':>7} {'GiB':>6}")
     for name in ("175B", "1T"):
