@@ -17,7 +17,8 @@ from torch.distributed.tensor import Shard
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, node_compute,
+    CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
+    needs_grad, node_compute,
     optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays, saves_input,
 )
 from autopar.errors import AutoparError, InfeasibleError
@@ -338,7 +339,7 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
                source: str | None, rc: Recomputation = NONE) -> Plan:
     grad = needs_grad(graph)
-    kept_share = rc.kept_share(graph)
+    kept_share, read = rc.kept_share(graph), rc.kept_when_read(graph)
     recomputed = rc.nodes
     timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
     window = SyncWindow(graph)
@@ -359,8 +360,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         acts = parts.pop("activations", 0.0)  # memory["activations"]: from the timeline, below
         timeline.activation(node.name, None, acts)
-        if node.kind is NodeKind.OP and node.name in grad:
-            timeline.working_set(node.name, {None: backward_working_set(graph, node, s, ctx, grad)})
+        working = backward_working_set(graph, node, s, ctx, grad) if node.kind is NodeKind.OP and node.name in grad \
+            else 0.0
         mem = sum(parts.values()) + (0.0 if rc.drops(node.name) else acts)
         for k, v in parts.items():
             memory[k] += v
@@ -374,13 +375,15 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd
             kept = node.name in grad and saves_input(node)
-            held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept)
-            held = reshards.keeps(node, idx, src, s, backward, held)
+            held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept, src in read)
+            held = reshards.keeps(node, idx, src, src_spec, s, backward, held)
             if not reshards.pays(node, idx, src, s, backward):
                 fwd, bwd = [], []  # the first consumer's reshard serves this one
             timeline.copy(first_use[src], None, held)  # made at the producer's first use, as the ILP counts it
             if not rc.drops(node.name):
                 nodes[-1].memory_bytes += held
+            if backward:
+                working += gradient_transient(src_spec, s, idx, meta, ctx)
             if graph.nodes[src].kind is NodeKind.PARAM:
                 param_ws[src] = max(param_ws.get(src, 0.0),
                                     gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))
@@ -399,6 +402,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                         "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
                         "gradient_sync": phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM,
                     })
+        if working:
+            timeline.working_set(node.name, {None: working})
     for src, nbytes in param_ws.items():
         timeline.working_set(first_use[src], {None: nbytes})
     memory["activations"], memory["buffers"] = timeline.peak()

@@ -157,9 +157,10 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     """Price every candidate strategy of ``target`` with its neighbours as planned."""
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
-        CostContext, edge_memory, edge_moves, needs_grad, node_compute, node_memory, optimizer_time, replays,
-        reshard_key, saved_outputs, saves_input, shares_reshard,
+        CostContext, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute, node_memory, optimizer_time,
+        replays, reshard_key, saves_input, shares_reshard,
     )
+    from autopar.cost_models.resharding import reads_in_place
     from autopar.passes.enumerate import enumerate_strategies
 
     graph = graph if graph is not None else capture_plan_model(plan, source)
@@ -175,7 +176,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     optimizer = plan.predicted.get("optimizer") or plan.model.get("optimizer") or "adamw"
     ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), optimizer, **kwargs)
     grad = needs_grad(graph)
-    kept_share = saved_outputs(graph)
+    kept_share, read = kept_outputs(graph)
     planned = {n.name: n for n in plan.nodes}
     node = graph.nodes[name]
     chosen_text = planned[name].strategy
@@ -220,10 +221,20 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
                 mine.add((src, key))
             transfers += _transfers(src, "in", name, fwd, bwd, mesh.names, [c for c, _ in others], paid)
             if not producer.regather:
-                keeps = edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node))
+                # one tensor kept per reshard, or the producer's own for all that read it in place
+                keepers = others if not reads_in_place(producer.output, s.inputs[idx]) else [
+                    (c, j) for c, j in graph.consumers()[src]
+                    if c != name and reads_in_place(producer.output, planned_of(c).inputs[j])]
+                keeps = edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node),
+                                    src in read)
                 kept = max((edge_memory(producer.output, planned_of(c).inputs[j], meta, ctx,
-                                        c in grad and saves_input(graph.nodes[c])) for c, j in others), default=0.0)
-                held += max(0.0, keeps - kept)  # one copy per reshard, as large as its largest keeper's
+                                        c in grad and saves_input(graph.nodes[c]), src in read)
+                            for c, j in keepers), default=0.0)
+                held += max(0.0, keeps - kept)
+        if name in read:  # its output, kept if a consumer that saves it reads it in place
+            held += max((edge_memory(s.output, planned_of(c).inputs[j], node.outputs[0], ctx,
+                                     c in grad and saves_input(graph.nodes[c]), True)
+                         for c, j in consumers if reads_in_place(s.output, planned_of(c).inputs[j])), default=0.0)
         groups: dict = {}  # consumers of its output by the reshard they share
         for c, idx in consumers:
             key = key_of(c, idx, planned_of(c), name)

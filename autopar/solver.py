@@ -27,12 +27,14 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, backward_working_set, edge_memory, edge_moves, memory_breakdown, needs_grad, step_temporaries,
+    CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown, needs_grad,
+    step_temporaries,
     node_compute, node_memory, optimizer_time,
     param_transient, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
 from autopar.passes.recompute import NONE, Recomputation
+from autopar.cost_models.resharding import reads_in_place
 from autopar.timeline import SyncWindow, Timeline, add as _add, first_consumers
 
 US = 1e6  # objective unit: microseconds
@@ -132,6 +134,7 @@ class _ILP:
         self.graph, self.strategies, self.ctx, self.recomputed = graph, strategies, ctx, recomputed
         self.grad = needs_grad(graph)
         self.kept_share = recomputed.kept_share(graph)
+        self.read = recomputed.kept_when_read(graph)
         self.rep = classes or {name: name for name in graph.nodes}
         self.count = Counter(self.rep[name] for name in graph.nodes)
         with _quiet_stdout():
@@ -152,6 +155,9 @@ class _ILP:
         self.edge_vars: list = []  # the y variables of each edge
         self.used_vars: list = []  # a shared reshard's variable (used by some edge)
         self.largest_transient = 0.0
+        self.working: dict = {}  # op -> its backward working set's terms (on the timeline)
+        self.resharded_grads: dict = {}  # op -> terms of its inputs' gradients resharded in its backward
+        self.grad_bound: Counter = Counter()  # op -> the most those can be
         self.most = math.inf
         self.first_exposed_s = 0.0  # the sync left exposed by the optimum with gradient sync free
 
@@ -209,6 +215,8 @@ class _ILP:
             terms = {v: b for v, b in terms.items() if b}
             self.largest_transient = max(self.largest_transient, *terms.values(), 0.0)
             self.timeline.working_set(at, terms)
+            if node.kind is NodeKind.OP:
+                self.working[name] = terms  # reshard_edges adds its inputs' gradients' reshards
 
     def reshard_edges(self) -> None:
         """Each edge's resharding cost on the choices at its two ends (y
@@ -241,6 +249,15 @@ class _ILP:
         for (src, dst, idx), times in edges.items():
             self._edge(src, dst, idx, times, replayed[src, dst, idx], producers[src, dst, idx],
                        keeping[src, dst, idx], instances[src, dst, idx], shared)
+        for consumer, terms in self.resharded_grads.items():
+            ws = self.working.get(consumer)
+            bound = max(ws.values(), default=0.0) if ws else 0.0
+            if ws:
+                for v, b in terms.items():
+                    _add(ws, v, b)
+            else:
+                self.timeline.working_set(consumer, terms)
+            self.largest_transient = max(self.largest_transient, bound + self.grad_bound[consumer])
         for seconds_us, made, selections, copies in shared.values():
             # producer instances behind the same edges pay together: with
             # clustered layers, one edge's choice may cover a few of them
@@ -289,7 +306,7 @@ class _ILP:
         in_groups: dict = {}
         for j, s in enumerate(cons):
             in_groups.setdefault(reshard_key(idx, s, len(ctx.mesh_shape), backward), []).append((j, s))
-        unit, replay, held, synced = {}, {}, {}, {}
+        unit, replay, held, synced, grads = {}, {}, {}, {}, {}
         saved = dst in self.grad and saves_input(graph.nodes[dst])
         hides = self.overlap and graph.nodes[src].kind is NodeKind.PARAM
         plain = times - replayed
@@ -301,27 +318,42 @@ class _ILP:
                 unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
                 replay[p, key] = seconds(f) * again * US
                 synced[p, key] = _on_links(b, ctx) if hides else {}  # per instance, link -> microseconds
-                held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved)
+                held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved, src in self.read)
+                grads[p, key] = gradient_transient(spec, members[0][1], idx, meta, ctx) if backward else 0.0
+        for consumer in instances:
+            self.grad_bound[consumer] += max(grads.values(), default=0.0)
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
             for v in terms:
                 _add(self.objective, v, replay[p, key])
+                for consumer in instances if grads[p, key] else ():
+                    _add(self.resharded_grads.setdefault(consumer, {}), v, grads[p, key])
                 for consumer in instances if synced[p, key] else ():
                     for link, us in synced[p, key].items():
                         self.window.sync(consumer, v, us, (link,))
-            if unit[p, key] or held[p, key]:
+            # A reshard is one group (one per tuple item: not shared), paid
+            # once; the tensor kept for backward is its copy, or the
+            # producer's own for every consumer that reads it in place.
+            as_read = reads_in_place(p[0], key[0])
+            if unit[p, key] or (held[p, key] and not as_read):
                 item = not shares_reshard(graph.nodes[dst])
-                group = shared.setdefault((src, dst, idx, p, key) if item else (src, p, key),
-                                          [unit[p, key], set(), [], {}])
-                behind = {(src, dst, idx, n) for n in range(times)} if item else producers
-                group[1] |= behind
-                group[2].append((terms, behind))
-                # one resharded copy per producer instance (per tuple item), kept
-                # for backward if a consumer keeps it; made at its first consumer
-                for inst, consumer in keeping.items():
-                    before = group[3].get(inst, (0.0, consumer))
-                    group[3][inst] = (max(before[0], held[p, key]), before[1])
+                join((src, dst, idx, p, key) if item else (src, p, key), unit[p, key],
+                     {(src, dst, idx, n) for n in range(times)} if item else producers,
+                     terms, 0.0 if as_read else held[p, key])
+            if as_read and held[p, key]:
+                join((src, p, "as read"), 0.0, producers, terms, held[p, key])
+
+        def join(group_key, cost_us, behind, terms, nbytes):
+            """Add this edge's choice ``terms`` to a shared group: its cost once
+            per producer instance (``behind``), and a kept tensor of ``nbytes``
+            per producer instance, made at its first consumer."""
+            group = shared.setdefault(group_key, [cost_us, set(), [], {}])
+            group[1] |= behind
+            group[2].append((terms, behind))
+            for inst, consumer in keeping.items():
+                before = group[3].get(inst, (0.0, consumer))
+                group[3][inst] = (max(before[0], nbytes), before[1])
 
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups

@@ -26,7 +26,7 @@ from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 LABELS = {0: "DP", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
 
 
-def main(budgets_mb=(None, 150, 120, 100, 80, 70, 60)):
+def main(budgets_mb=(None, 150, 120, 90, 75, 70, 60)):
     cfg = GPTConfig(vocab=1024, seq=128, hidden=512, heads=8, layers=4)
     with torch.device("meta"):
         model = GPT(cfg)

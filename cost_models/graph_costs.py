@@ -17,7 +17,7 @@ from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Collective, axis_links
 from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
-from autopar.cost_models.resharding import Move, as_sum, grad_spec, producer_grad_spec, transitions
+from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import Strategy, shard_factor
 
@@ -186,24 +186,46 @@ def saved_outputs(graph: Graph) -> dict:
     """Per node, the share of its output's bytes kept for backward: 1 when its
     own backward needs it or a consumer's does (through views, which share its
     storage), plus a bool mask's share for a dropout, 0 when nothing needs it
-    (an add, a reduce-scattered partial sum, an unused dropout output)."""
+    (an add, an unused dropout output). A consumer that saves its input keeps
+    the tensor it reads: the producer's own, or a resharded copy of it
+    (``kept_outputs`` tells them apart)."""
+    return _saved(graph)[0]
+
+
+def kept_outputs(graph: Graph) -> tuple[dict, set]:
+    """(per node, the share of its output kept whatever its consumers'
+    placements; the nodes kept only for consumers that save their input).
+    A node of the second kind is kept only if one of those consumers reads
+    its output as it is: one that takes a resharded copy keeps the copy (a
+    reduce-scattered partial sum is freed once scattered). Memory pricing
+    counts it on those edges (``edge_memory`` with ``read``), once per
+    producer (``SharedReshards.keeps``, the solver's shared copies)."""
+    kept, read = _saved(graph)
+    return {n: k - 1.0 if n in read else k for n, k in kept.items()}, read
+
+
+def _saved(graph: Graph) -> tuple[dict, set]:
     grad = needs_grad(graph)
     consumers = graph.consumers()
     kept: dict = {}
+    read: set = set()
     for name in reversed(list(graph.nodes)):
         node = graph.nodes[name]
         if node.kind is not NodeKind.OP or name not in grad:
             continue
         own = node.target not in SAVES_NOTHING and node.target not in SAVES_INPUTS \
             and node.target not in VIEW_OPS and node.target is not _aten.dropout.default
-        used = any(c in grad and (saves_input(graph.nodes[c]) or kept.get(c, 0.0) and is_view(graph.nodes[c]))
-                   for c, _ in consumers.get(name, []))
+        users = [graph.nodes[c] for c, _ in consumers.get(name, []) if c in grad]
+        by_view = any(kept.get(c.name, 0.0) and is_view(c) for c in users)
+        by_saving = any(saves_input(c) for c in users)
         mask = _dropout_mask_share(node)
-        if own or used:
+        if own or by_view or by_saving:
             kept[name] = 1.0 + mask
+            if not (own or by_view or is_view(node)):
+                read.add(name)
         elif mask:
             kept[name] = mask
-    return kept
+    return kept, read
 
 
 def is_view(node: Node) -> bool:
@@ -337,9 +359,13 @@ class SharedReshards:
         self.paid.add(key)
         return True
 
-    def keeps(self, consumer: Node, index: int, src: str, s: Strategy, backward: bool, nbytes: float) -> float:
-        """The bytes this edge adds to the kept copies, given that it alone would keep ``nbytes``."""
-        key = self._key(consumer, index, src, s, backward)
+    def keeps(self, consumer: Node, index: int, src: str, src_spec: tuple, s: Strategy, backward: bool,
+              nbytes: float) -> float:
+        """The bytes this edge adds to the kept copies, given that it alone
+        would keep ``nbytes`` (consumers that read the producer's own tensor
+        keep that one tensor)."""
+        key = (src, "as read") if reads_in_place(src_spec, s.inputs[index]) \
+            else self._key(consumer, index, src, s, backward)
         if key is None:
             return nbytes
         before = self.held.get(key, 0.0)
@@ -354,11 +380,15 @@ def replays(regather: bool, recomputed: bool, saved: bool) -> bool:
     return recomputed or (regather and saved)
 
 
-def edge_memory(src_spec: tuple, dst_spec: tuple, meta, ctx: CostContext, saved: bool) -> float:
-    """Bytes of the resharded copy a consumer keeps for backward (0 when the
-    consumer reads the producer's own tensor, or keeps nothing)."""
-    if not saved or as_sum(src_spec) == as_sum(dst_spec):
+def edge_memory(src_spec: tuple, dst_spec: tuple, meta, ctx: CostContext, saved: bool, read: bool = False) -> float:
+    """Bytes a consumer that saves its input (``saved``) keeps for backward
+    on this edge: a resharded copy; or, reading the producer's own storage
+    (``reads_in_place``), 0 unless the producer is kept only for such
+    consumers (``read``, from ``kept_outputs``): then the producer's tensor."""
+    if not saved:
         return 0.0
+    if reads_in_place(src_spec, dst_spec):
+        return ctx.tensor_bytes(meta) / shard_factor(src_spec, ctx.mesh_shape) if read else 0.0
     return ctx.tensor_bytes(meta) / shard_factor(dst_spec, ctx.mesh_shape)
 
 
@@ -396,6 +426,24 @@ def backward_working_set(graph: Graph, node: Node, s: Strategy, ctx: CostContext
             local = ctx.tensor_bytes(meta) / shard_factor(s.inputs[idx], ms)
             total += local * (2 if node.target is _aten.cross_entropy_loss.default else 1)
     return total
+
+
+def gradient_transient(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext) -> float:
+    """Bytes alive during a consumer's backward on top of its working set when
+    its input's gradient is resharded to the producer's placement: the new
+    gradient the collectives make, and, where a tensor dim other than the
+    first is all-gathered, the gathered buffer as well (DTensor gathers into
+    a stack along dim 0, then concatenates along the sharded dim: both alive
+    at once)."""
+    ms = ctx.mesh_shape
+    g_in = grad_spec(consumer.inputs[index], splits(consumer, len(ms)))
+    g_out = producer_grad_spec(src_spec)
+    if not transitions(g_in, g_out, 1.0, ms, ctx.links):
+        return 0.0
+    made = ctx.tensor_bytes(meta) / shard_factor(g_out, ms)
+    stacked = any(isinstance(a, Shard) and a.dim != 0 and not isinstance(b, Shard) and ms[axis] > 1
+                  for axis, (a, b) in enumerate(zip(g_in, g_out)))
+    return made * (2 if stacked else 1)
 
 
 def param_transient(node: Node, s: Strategy, ctx: CostContext) -> float:

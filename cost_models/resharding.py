@@ -50,6 +50,15 @@ def as_sum(spec: tuple) -> tuple:
     return tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in spec)
 
 
+def reads_in_place(src: tuple, dst: tuple) -> bool:
+    """Whether a consumer taking ``src`` as ``dst`` reads the producer's own
+    storage: the same placement, or only local steps from replicated (R -> S
+    is a slice, a view of the whole tensor for a dim-0 shard; R -> P keeps
+    it on one rank). Then what the consumer keeps for backward keeps the
+    producer's tensor alive, not a copy of its own size."""
+    return all(a == b or isinstance(a, Replicate) for a, b in zip(as_sum(src), as_sum(dst)))
+
+
 def _kind(a, b) -> Collective | None:
     if isinstance(a, Replicate):
         return None  # R -> S is a slice, R -> P is local

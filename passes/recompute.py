@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from autopar.capture import Graph, NodeKind
-from autopar.cost_models.graph_costs import is_view, needs_grad, saved_outputs, saves_input
+from autopar.cost_models.graph_costs import is_view, kept_outputs, needs_grad, saved_outputs, saves_input
 from autopar.errors import AutoparError
 from autopar.passes.cluster import layer_of, layer_lists, parse_layer
 
@@ -51,8 +51,14 @@ class Recomputation:
         return [f"{lst}.{i}" for lst, i in self.layers]
 
     def kept_share(self, graph: Graph) -> dict:
-        """``saved_outputs`` with the checkpoints' inputs kept whole."""
-        return {**saved_outputs(graph), **dict.fromkeys(self.kept_inputs, 1.0)}
+        """``kept_outputs``' shares kept whatever the consumers' placements,
+        with the checkpoints' inputs kept whole."""
+        return {**kept_outputs(graph)[0], **dict.fromkeys(self.kept_inputs, 1.0)}
+
+    def kept_when_read(self, graph: Graph) -> set:
+        """The nodes kept only for consumers that save them as they read them
+        (``kept_outputs``), but for the checkpoints' inputs."""
+        return kept_outputs(graph)[1] - set(self.kept_inputs)
 
     def drops(self, name: str) -> bool:
         """Whether a node's activations are not kept through the step (they

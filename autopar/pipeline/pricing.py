@@ -16,7 +16,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
-    needs_grad, node_compute, saved_outputs, saves_input, op_flops,
+    gradient_transient, kept_outputs, needs_grad, node_compute, saves_input, op_flops,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
@@ -213,7 +213,7 @@ def once_per_step(src: Node, spec: tuple, move) -> bool:
 
 def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
     grad = needs_grad(graph)
-    kept_share = saved_outputs(graph)
+    kept_share, read = kept_outputs(graph)
     ms = ctx.mesh_shape
     costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
              for name in layers.names]
@@ -235,15 +235,18 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             lc.sharded_optimizer_bytes += parts.get("optimizer", 0.0) / k
             lc.updated_bytes += parts.get("parameters", 0.0) / k
         lc.act_bytes += parts.get("activations", 0.0)
-        lc.transient_bytes = max(lc.transient_bytes, backward_working_set(graph, node, s, ctx, grad))
+        working = backward_working_set(graph, node, s, ctx, grad)
         if node.kind is NodeKind.OP and node.info is not None:
             rule = get_rule(node.target)
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if backward else 1)
         for idx, src in enumerate(node.inputs):
             meta = graph.nodes[src].outputs[0]
-            held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node))
-            lc.act_bytes += reshards.keeps(node, idx, src, s, backward and src in grad, held)
+            held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node),
+                               src in read)
+            lc.act_bytes += reshards.keeps(node, idx, src, chosen[src].output, s, backward and src in grad, held)
+            if backward and src in grad:
+                working += gradient_transient(chosen[src].output, s, idx, meta, ctx)
             if not reshards.pays(node, idx, src, s, backward and src in grad):
                 continue  # the first consumer's reshard serves this one
             fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
@@ -253,6 +256,7 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
                     lc.sync_s += mv.seconds
                 else:
                     lc.comm_s += mv.seconds
+        lc.transient_bytes = max(lc.transient_bytes, working)
     cuts = [Cut() for _ in range(layers.n)]
     for c in range(1, layers.n):
         cut = cuts[c]
