@@ -339,7 +339,7 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
 def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
                source: str | None, rc: Recomputation = NONE) -> Plan:
     grad = needs_grad(graph)
-    kept_share, read = rc.kept_share(graph), rc.kept_when_read(graph)
+    kept_share, read = rc.kept(graph)
     recomputed = rc.nodes
     timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
     window = SyncWindow(graph)
@@ -374,6 +374,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd
+            working += gradient_transient(bwd, src_spec, s, idx, meta, ctx)
             kept = node.name in grad and saves_input(node)
             held = 0.0 if regather else edge_memory(src_spec, s.inputs[idx], meta, ctx, kept, src in read)
             held = reshards.keeps(node, idx, src, src_spec, s, backward, held)
@@ -382,8 +383,6 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             timeline.copy(first_use[src], None, held)  # made at the producer's first use, as the ILP counts it
             if not rc.drops(node.name):
                 nodes[-1].memory_bytes += held
-            if backward:
-                working += gradient_transient(src_spec, s, idx, meta, ctx)
             if graph.nodes[src].kind is NodeKind.PARAM:
                 param_ws[src] = max(param_ws.get(src, 0.0),
                                     gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))

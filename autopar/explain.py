@@ -186,7 +186,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             raise PlanError(f"node {other!r} is in the model but not in the plan; recompile the plan")
         return _planned_strategy(planned[other], strategies[other], mesh.ndim)
 
-    consumers = graph.consumers()[name]
+    uses = graph.consumers()
+    consumers = uses[name]
     producers = [(src, fmt_spec(planned_of(src).output)) for src in node.inputs]
     consumer_specs = [(c, fmt_spec(planned_of(c).inputs[i])) for c, i in consumers]
 
@@ -199,7 +200,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     # per producer: the planned consumers (other than this node) by the reshard they share
     wanted: dict = {}
     for src in set(node.inputs):
-        for c, idx in graph.consumers()[src]:
+        for c, idx in uses[src]:
             key = key_of(c, idx, planned_of(c), src) if c != name else None
             if key is not None:
                 wanted.setdefault((src, key), []).append((c, idx))
@@ -223,7 +224,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             if not producer.regather:
                 # one tensor kept per reshard, or the producer's own for all that read it in place
                 keepers = others if not reads_in_place(producer.output, s.inputs[idx]) else [
-                    (c, j) for c, j in graph.consumers()[src]
+                    (c, j) for c, j in uses[src]
                     if c != name and reads_in_place(producer.output, planned_of(c).inputs[j])]
                 keeps = edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node),
                                     src in read)

@@ -133,8 +133,7 @@ class _ILP:
                  recomputed: Recomputation, backend: str):
         self.graph, self.strategies, self.ctx, self.recomputed = graph, strategies, ctx, recomputed
         self.grad = needs_grad(graph)
-        self.kept_share = recomputed.kept_share(graph)
-        self.read = recomputed.kept_when_read(graph)
+        self.kept_share, self.read = recomputed.kept(graph)
         self.rep = classes or {name: name for name in graph.nodes}
         self.count = Counter(self.rep[name] for name in graph.nodes)
         with _quiet_stdout():
@@ -319,7 +318,7 @@ class _ILP:
                 replay[p, key] = seconds(f) * again * US
                 synced[p, key] = _on_links(b, ctx) if hides else {}  # per instance, link -> microseconds
                 held[p, key] = 0.0 if regather else edge_memory(spec, key[0], meta, ctx, saved, src in self.read)
-                grads[p, key] = gradient_transient(spec, members[0][1], idx, meta, ctx) if backward else 0.0
+                grads[p, key] = gradient_transient(b, spec, members[0][1], idx, meta, ctx)
         for consumer in instances:
             self.grad_bound[consumer] += max(grads.values(), default=0.0)
 
@@ -439,8 +438,10 @@ class _ILP:
         at another point than ``exposed`` says, add that point's bound and
         solve again. Each solve is a relaxation of the model with every
         point's bound, so the last one's optimum is that model's (lazy
-        constraint generation: on GPT models one to three bounds of tens
-        are needed, and a solve with all of them takes HiGHS twice as long).
+        constraint generation: the GPTs of benchmarks/compile_scale.py need
+        one to four bounds of a few dozen. Every bound at once is faster on
+        some models, the README demo and 4x1024, and on 4x512 takes HiGHS
+        twice as long: docs/performance.md).
         (The first optimum is exact when its sync hides: no plan costs less
         with the exposed part.) Every solve gives a plan: if time runs out,
         the cheapest of them, priced with its exposed sync, stands (status
@@ -555,7 +556,7 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
     (``need``, from the ILP minimising memory; else each node at its smallest,
     a lower bound), and the biggest parts."""
     least = {}
-    kept_share = recomputed.kept_share(graph)
+    kept_share, _ = recomputed.kept(graph)
     for node in graph.nodes.values():
         if recomputed.drops(node.name):
             least[node.name] = 0.0

@@ -310,14 +310,18 @@ def node_memory(node: Node, s: Strategy, ctx: CostContext, kept: float) -> float
 
 def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):
     """(forward moves, backward moves) on the edge into input ``index`` of a consumer."""
-    dst = consumer.inputs[index]
     nbytes = ctx.tensor_bytes(meta)
-    fwd = transitions(src_spec, dst, nbytes, ctx.mesh_shape, ctx.links)
+    fwd = transitions(src_spec, consumer.inputs[index], nbytes, ctx.mesh_shape, ctx.links)
     bwd = []
     if backward:
-        g_in = grad_spec(dst, splits(consumer, len(ctx.mesh_shape)))
-        bwd = transitions(g_in, producer_grad_spec(src_spec), nbytes, ctx.mesh_shape, ctx.links)
+        bwd = transitions(input_grad_spec(consumer, index, len(ctx.mesh_shape)), producer_grad_spec(src_spec),
+                          nbytes, ctx.mesh_shape, ctx.links)
     return fwd, bwd
+
+
+def input_grad_spec(consumer: Strategy, index: int, n_axes: int) -> tuple:
+    """The placement of the gradient the consumer's backward makes for input ``index``."""
+    return grad_spec(consumer.inputs[index], splits(consumer, n_axes))
 
 
 def reshard_key(index: int, s: Strategy, n_axes: int, backward: bool) -> tuple:
@@ -428,18 +432,19 @@ def backward_working_set(graph: Graph, node: Node, s: Strategy, ctx: CostContext
     return total
 
 
-def gradient_transient(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext) -> float:
+def gradient_transient(bwd: list[Move], src_spec: tuple, consumer: Strategy, index: int, meta,
+                       ctx: CostContext) -> float:
     """Bytes alive during a consumer's backward on top of its working set when
-    its input's gradient is resharded to the producer's placement: the new
-    gradient the collectives make, and, where a tensor dim other than the
-    first is all-gathered, the gathered buffer as well (DTensor gathers into
-    a stack along dim 0, then concatenates along the sharded dim: both alive
-    at once)."""
-    ms = ctx.mesh_shape
-    g_in = grad_spec(consumer.inputs[index], splits(consumer, len(ms)))
-    g_out = producer_grad_spec(src_spec)
-    if not transitions(g_in, g_out, 1.0, ms, ctx.links):
+    its input's gradient is resharded to the producer's placement (``bwd``,
+    the edge's backward moves from ``edge_moves``): the new gradient the
+    collectives make, and, where a tensor dim other than the first is
+    all-gathered, the gathered buffer as well (DTensor gathers into a stack
+    along dim 0, then concatenates along the sharded dim: both alive at
+    once)."""
+    if not bwd:
         return 0.0
+    ms = ctx.mesh_shape
+    g_in, g_out = input_grad_spec(consumer, index, len(ms)), producer_grad_spec(src_spec)
     made = ctx.tensor_bytes(meta) / shard_factor(g_out, ms)
     stacked = any(isinstance(a, Shard) and a.dim != 0 and not isinstance(b, Shard) and ms[axis] > 1
                   for axis, (a, b) in enumerate(zip(g_in, g_out)))

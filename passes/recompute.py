@@ -50,15 +50,12 @@ class Recomputation:
     def paths(self) -> list:
         return [f"{lst}.{i}" for lst, i in self.layers]
 
-    def kept_share(self, graph: Graph) -> dict:
-        """``kept_outputs``' shares kept whatever the consumers' placements,
-        with the checkpoints' inputs kept whole."""
-        return {**kept_outputs(graph)[0], **dict.fromkeys(self.kept_inputs, 1.0)}
-
-    def kept_when_read(self, graph: Graph) -> set:
-        """The nodes kept only for consumers that save them as they read them
-        (``kept_outputs``), but for the checkpoints' inputs."""
-        return kept_outputs(graph)[1] - set(self.kept_inputs)
+    def kept(self, graph: Graph) -> tuple[dict, set]:
+        """``kept_outputs`` with the checkpoints' inputs kept whole: (the
+        shares kept whatever the consumers' placements, the nodes kept only
+        for consumers that save them as they read them)."""
+        share, read = kept_outputs(graph)
+        return {**share, **dict.fromkeys(self.kept_inputs, 1.0)}, read - set(self.kept_inputs)
 
     def drops(self, name: str) -> bool:
         """Whether a node's activations are not kept through the step (they

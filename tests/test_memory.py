@@ -281,14 +281,19 @@ def test_a_gradient_resharded_in_backward_is_part_of_the_consumers_working_set(g
     placement; resharding it to the producer's makes a new tensor, alive
     with the consumer's working set. DTensor all-gathers a tensor dim other
     than the first into a dim-0 stack, then concatenates: both alive."""
-    from autopar.cost_models.graph_costs import gradient_transient
+    from autopar.cost_models.graph_costs import edge_moves, gradient_transient
     graph, _ = gpt_graph
     ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "fp32")
     gelu = next(n for n in graph.nodes.values() if n.op_name.startswith("gelu"))
     meta = graph.nodes[gelu.inputs[0]].outputs[0]
     whole = ctx.tensor_bytes(meta)
     by_batch, by_features = Strategy(((S(0),),), (S(0),)), Strategy(((S(2),),), (S(2),))
-    assert gradient_transient((S(0),), by_batch, 0, meta, ctx) == 0.0  # same placement: nothing made
-    assert gradient_transient((R,), by_batch, 0, meta, ctx) == whole  # gathered on dim 0
-    assert gradient_transient((R,), by_features, 0, meta, ctx) == 2 * whole  # stacked, then concatenated
-    assert gradient_transient((S(2),), by_batch, 0, meta, ctx) == whole / 4  # all-to-all into a new shard
+
+    def transient(src_spec, consumer):
+        _, bwd = edge_moves(src_spec, consumer, 0, meta, ctx, True)
+        return gradient_transient(bwd, src_spec, consumer, 0, meta, ctx)
+
+    assert transient((S(0),), by_batch) == 0.0  # same placement: nothing made
+    assert transient((R,), by_batch) == whole  # gathered on dim 0
+    assert transient((R,), by_features) == 2 * whole  # stacked, then concatenated
+    assert transient((S(2),), by_batch) == whole / 4  # all-to-all into a new shard

@@ -245,11 +245,10 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node),
                                src in read)
             lc.act_bytes += reshards.keeps(node, idx, src, chosen[src].output, s, backward and src in grad, held)
-            if backward and src in grad:
-                working += gradient_transient(chosen[src].output, s, idx, meta, ctx)
+            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
+            working += gradient_transient(bwd, chosen[src].output, s, idx, meta, ctx)
             if not reshards.pays(node, idx, src, s, backward and src in grad):
                 continue  # the first consumer's reshard serves this one
-            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
             lc.comm_s += sum(mv.seconds for mv in fwd)
             for mv in bwd:
                 if once_per_step(graph.nodes[src], chosen[src].output, mv):
