@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,18 +41,44 @@ def measure_step_time(source: str, mesh: str, cluster: str, nproc: int, steps: i
             return json.load(f)
 
 
-CHAIN_LAYERS = 24
-"""The calibration chain: 24 x (Linear(8, 8), tanh), i.e. 48 tiny ops whose
-arithmetic is negligible next to their dispatch."""
+CHAIN_OPS = 48
+"""Each op chain has 48 tiny ops whose arithmetic is negligible next to their
+dispatch: 48 x Linear(8, 8) (three tensor inputs each: x, weight, bias; two
+parameters each), Linear(8, 8) then 47 x tanh (one input each), and
+Linear(8, 8) then 47 x h - h (two inputs each). The last two run as many
+runtime calls with different input counts, which separates the two terms;
+the first is mostly parameters and their wrapping."""
+
+OP_CHAINS = ("linear-chain", "unary-chain", "product-chain")
 
 
-def runtime_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> float:
-    """Seconds autopar's runtime adds per op and pass on this machine: a chain of
-    tiny ops is timed through the emitted program on ``nproc`` ranks, the
-    cost model's prediction (without this overhead) is subtracted and the rest
-    is divided by the op count, forward and backward."""
-    excess, result = _excess("chain", nproc, cluster, steps)
-    return max(0.0, excess / (2 * result["op_nodes"]))
+def runtime_overheads(nproc: int, cluster: str = "cpu", steps: int = 20, runs: int = 1) -> tuple[float, float, list]:
+    """(seconds per call and pass, seconds per unwrapped input and pass, the
+    runs) that autopar's runtime adds on this machine: the op chains are timed
+    through the emitted program on ``nproc`` ranks ``runs`` times each, and
+    their step time beyond the cost model (priced without these overheads)
+    is fitted by ``fit_runtime_overheads``."""
+    rows = []
+    for _ in range(runs):
+        for source in OP_CHAINS:
+            excess, result = _excess(source, nproc, cluster, steps)
+            rows.append((result["op_passes"], result["input_passes"], excess))
+    return (*fit_runtime_overheads(rows), rows)
+
+
+def fit_runtime_overheads(rows) -> tuple[float, float]:
+    """Least squares of ``excess = runtime_overhead * call passes +
+    input_overhead * input passes`` over (call passes, input passes, excess
+    seconds) rows (graph_costs.runtime_passes counts them). A term the fit
+    makes negative is dropped (0) and the other refitted alone."""
+    a = np.array([r[:2] for r in rows], float)
+    b = np.array([r[2] for r in rows], float)
+    per_op, per_input = np.linalg.lstsq(a, b, rcond=None)[0]
+    if per_op >= 0 and per_input >= 0:
+        return float(per_op), float(per_input)
+    col = 1 if per_op < 0 else 0  # the term that stays
+    only = max(0.0, float(a[:, col] @ b / (a[:, col] @ a[:, col])))
+    return (0.0, only) if col == 1 else (only, 0.0)
 
 
 def _excess(source: str, nproc: int, cluster: str, steps: int) -> tuple[float, dict]:
@@ -78,12 +105,32 @@ def collective_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> fl
     return max(0.0, excess / result["collectives"])
 
 
-def _chain():
+def _linear_chain():
     from torch import nn
     torch.manual_seed(0)
-    layers = [m for _ in range(CHAIN_LAYERS) for m in (nn.Linear(8, 8), nn.Tanh())]
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss
+    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(CHAIN_OPS))), (x, y), torch.nn.functional.mse_loss, None
+
+
+def _unary_chain():
+    from torch import nn
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    layers = [nn.Linear(8, 8), *(nn.Tanh() for _ in range(CHAIN_OPS - 1))]
+    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, None
+
+
+def _product_chain():
+    from torch import nn
+
+    class Difference(nn.Module):
+        def forward(self, h):
+            return h - h  # two inputs; the values stay exactly 0: nothing overflows or goes subnormal
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    layers = [nn.Linear(8, 8), *(Difference() for _ in range(CHAIN_OPS - 1))]
+    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, None
 
 
 def _tp_chain():
@@ -98,23 +145,22 @@ def _tp_chain():
 
 
 CALIBRATION_CHAINS = {
-    "chain": ("runtime_overhead", lambda: (*_chain(), None), runtime_overhead,
-              f"the {2 * CHAIN_LAYERS}-op chain through the emitted program (step time beyond the cost model, "
-              "per op and pass)"),
-    "tp-chain": ("collective_overhead", _tp_chain, collective_overhead,
-                 f"{TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the emitted program (step "
-                 "time beyond the cost model, per collective)"),
+    "linear-chain": (("runtime_overhead", "input_overhead"), _linear_chain),
+    "unary-chain": (("runtime_overhead", "input_overhead"), _unary_chain),
+    "product-chain": (("runtime_overhead", "input_overhead"), _product_chain),
+    "tp-chain": (("collective_overhead",), _tp_chain),
 }
-"""source -> (the Device field it measures, the model (with its pins), the
-measuring function, what it runs). Each is priced without the overhead it
-measures; ``autopar calibrate`` measures them in this order, the second
-priced with the first."""
+"""source -> (the Device fields it measures, the model (with its pins)). Each
+chain is priced without the overheads it measures; ``autopar calibrate``
+measures the op chains first (runtime_overheads), then the collective chain
+priced with their result (collective_overhead)."""
 
 
 def main(argv=None) -> None:
     from autopar.capture import capture
     from autopar.codegen import build_program, load_program, program_source
     from autopar.compiler import compile as compile_plan
+    from autopar.cost_models.graph_costs import runtime_passes
     from autopar.mesh import parse_mesh
     from autopar.runtime import ParallelModule, agreed_plan, init_distributed, load_factory, shutdown
 
@@ -132,16 +178,17 @@ def main(argv=None) -> None:
     if args.source in CALIBRATION_CHAINS:  # priced without the overhead it measures
         from dataclasses import replace
         from autopar.cost_models.cluster import get_cluster
-        field, make, _, _ = CALIBRATION_CHAINS[args.source]
+        measured, make = CALIBRATION_CHAINS[args.source]
         model, inputs, loss_fn, pins = make()
         base = get_cluster(cluster)
-        cluster = replace(base, device=replace(base.device, **{field: 0.0}))
+        cluster = replace(base, device=replace(base.device, **dict.fromkeys(measured, 0.0)))
     else:
         model, inputs, loss_fn = load_factory(args.source)
     device_mesh = init_distributed(parse_mesh(args.mesh).shape, parse_mesh(args.mesh).names)
     plan = agreed_plan(lambda: compile_plan(model, inputs, mesh=args.mesh, cluster=cluster, loss_fn=loss_fn,
                                             parameter_placements=pins))
-    program = load_program(program_source(build_program(capture(model, inputs, loss_fn), plan), plan))
+    graph = capture(model, inputs, loss_fn)
+    program = load_program(program_source(build_program(graph, plan), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
 
@@ -165,6 +212,7 @@ def main(argv=None) -> None:
               "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": statistics.median(times),
               "predicted": {k: plan.predicted[k] for k in ("compute_s", "comm_s", "optimizer_s")},
               "op_nodes": sum(1 for n in plan.nodes if n.op not in ("param", "input", "buffer", "output")),
+              **dict(zip(("op_passes", "input_passes"), runtime_passes(graph))),
               "collectives": len(plan.collectives),
               "windows": times}
     if dist.get_rank() == 0:

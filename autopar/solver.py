@@ -468,9 +468,13 @@ class _ILP:
                 break
             short, where = window.most_exposed(lambda v: v.solution_value())
             missing = max(0.0, short - exposed.solution_value())  # exposed sync no row prices yet
-            done = missing <= 1e-9 * max(1.0, short)
+            # where a row already bounds the most exposed point, what is missing
+            # is the solver's feasibility tolerance, not an unpriced exposure
+            done = where in added or missing <= 1e-9 * max(1.0, short)
             priced = self.snapshot(_NAMES[status] if done else "FEASIBLE", missing)
-            if priced[2] <= best[2]:
+            # done, it is the full model's optimum (an earlier plan may tie it
+            # to rounding, but was only ever priced, not proven)
+            if done or priced[2] <= best[2]:
                 best = priced
             if done:
                 break

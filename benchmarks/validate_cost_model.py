@@ -413,14 +413,17 @@ def _measured_section(measured) -> list[str]:
 
 CPU_MODEL = (
     "What the prediction is made of on this machine: GEMMs at the measured per-rank rate (four ranks share two "
-    "cores, so the rate is measured with all four running), element-wise ops at the measured streaming bandwidth, "
-    "collectives at the fitted alpha-beta of the functional collectives, torch.optim's update as its separate passes "
-    "(80 bytes per element for AdamW) and per-parameter launches, and the runtime's own cost: a fixed time per op "
-    "and pass and per collective call, both measured through emitted programs by `autopar calibrate`. Where it "
-    "misses: the per-op cost is one number, measured on Linear and tanh, while ops differ (the Llama's many small "
-    "element-wise and view ops cost less each, so it is predicted slow); the per-collective cost is measured with "
-    "almost no compute between collectives, and ranks that share cores drift further apart over longer compute, so "
-    "the tensor-parallel `gpt.py:demo` is predicted fast.")
+    "cores, so the rate is measured with all four running), element-wise ops at the measured streaming bandwidth or, "
+    "for the ops `autopar calibrate` times (tanh, exp, softmax, layer norm, dropout, ...), at their measured rate per "
+    "element where that is slower, collectives at the fitted alpha-beta of the functional collectives, torch.optim's "
+    "update as its separate passes (80 bytes per element for AdamW) and per-parameter launches, and the runtime's "
+    "own cost: a time per call (each op, each parameter and input wrapped) and per unwrapped input, per pass, and a "
+    "time per collective call, all measured through emitted programs of tiny ops by `autopar calibrate`. Where it "
+    "misses: the same ops cost more per call in these programs than in the calibration's chains (per call and "
+    "input, 39-55 us in `gpt.py:small` against 31-41 us in the chains and 33-39 us in the same GPT at hidden 8, "
+    "on 2026-12-01), so every row is predicted somewhat fast; an element-wise op whose inputs differ in memory "
+    "layout takes a slow strided path (GELU's backward with one transposed input: 562 us against 40 us for "
+    "256 x 256 on one core), which the per-element rates, measured on contiguous tensors, do not see.")
 
 
 NOISE = (f"Each measurement is the median of {MEASURED_WINDOWS} windows of {MEASURED_STEPS} back-to-back steps, "

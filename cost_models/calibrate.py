@@ -11,15 +11,19 @@ squares:
               on relative error
 - copy:       seconds = bytes / memory_bandwidth (DRAM-sized copies), on relative error
 - op_latency: the measured time of a one-element add
+- element_time: per element-wise / normalisation op, forward and backward
+  seconds per element, the slope between two cache-resident sizes
 - collective: seconds = steps * alpha + wire_bytes / bandwidth, with the ring's
   steps and wire bytes (2(n-1) and 2(n-1)/n S for all-reduce, n-1 and (n-1)/n S
   for all-gather), both kinds in one fit, on absolute seconds; timed through
   the functional collectives that emitted programs call.
 
 Last, the SPMD runtime's own costs are measured by running emitted programs
-priced with the new profile (autopar/measure.py): ``runtime_overhead`` (per op
-and pass, a chain of tiny ops) and ``collective_overhead`` (per collective
-call, Megatron MLP pairs with pinned sharded weights).
+priced with the new profile (autopar/measure.py): ``runtime_overhead`` (per
+call and pass) and ``input_overhead`` (per unwrapped input and pass), fitted
+together on three chains of tiny ops, and
+``collective_overhead`` (per collective call, Megatron MLP pairs with pinned
+sharded weights).
 
 The profile is a cluster JSON (docs/clusters.md) whose ``calibration`` field
 keeps the raw timings and the fit residuals.
@@ -125,6 +129,22 @@ def _host_memory() -> float:
         raise ClusterError("cannot read the host memory size; calibrate on Linux") from None
 
 
+def fit_element_time(rows: list[dict]) -> dict:
+    """Per op, [forward, backward] seconds per element: the slope of the
+    measured time between the smallest and the largest size (the per-call
+    cost cancels), never below 0."""
+    by_op: dict = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append(r)
+    out = {}
+    for op, runs in by_op.items():
+        small, large = min(runs, key=lambda r: r["elements"]), max(runs, key=lambda r: r["elements"])
+        span = large["elements"] - small["elements"]
+        if span > 0:
+            out[op] = [max(0.0, (large[k] - small[k]) / span) for k in ("forward_s", "backward_s")]
+    return out
+
+
 def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
                      known_peaks: dict | None) -> Cluster:
     """Fit the cost model's constants to raw timings (see module docstring).
@@ -143,8 +163,10 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
     op_latency = raw["op_latency"]
     alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
 
+    element_time = fit_element_time(raw.get("elements", []))
     device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
-                    gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency)
+                    gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency,
+                    element_time=element_time)
     link = Link(bandwidth, alpha)
     calibration = dict(
         raw,
@@ -202,18 +224,25 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
                                source=source, device_name=device_name, memory=memory, known_peaks=known)
     _write(cluster, out_path)
-    # The runtime's own costs are measured by running programs priced with
-    # this profile less the overhead being measured: per op first (a chain
-    # without collectives), then per collective (priced with the first).
-    from autopar.measure import CALIBRATION_CHAINS
-    for field, _, measure, what in CALIBRATION_CHAINS.values():
-        runs = [measure(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
-        source += (f"; {field}: mean of {OVERHEAD_RUNS} autopar.measure.{measure.__name__}({nproc}) runs "
-                   f"({', '.join(f'{1e3 * r:.3f}' for r in runs)} ms), {what}")
-        cluster = dataclasses.replace(
-            cluster, device=dataclasses.replace(cluster.device, **{field: round(statistics.mean(runs), 6)}),
-            source=source)
-        _write(cluster, out_path)
+    # The runtime's own costs are measured by running emitted programs priced
+    # with this profile less the overheads being measured: per op and per op
+    # input first (two chains without collectives), then per collective
+    # (priced with the first two).
+    from autopar.measure import TP_PAIRS, collective_overhead, runtime_overheads
+    per_op, per_input, rows = runtime_overheads(nproc, cluster=out_path, runs=OVERHEAD_RUNS)
+    source += (f"; runtime_overhead, input_overhead: least squares over {OVERHEAD_RUNS} runs of the "
+               f"linear and unary chains of autopar.measure (excess over the cost model: "
+               f"{', '.join(f'{1e3 * r[2]:.2f} ms for {r[0]} op passes with {r[1]} inputs' for r in rows)})")
+    cluster = dataclasses.replace(cluster, source=source, device=dataclasses.replace(
+        cluster.device, runtime_overhead=round(per_op, 7), input_overhead=round(per_input, 7)))
+    _write(cluster, out_path)
+    runs = [collective_overhead(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
+    source += (f"; collective_overhead: mean of {OVERHEAD_RUNS} autopar.measure.collective_overhead({nproc}) runs "
+               f"({', '.join(f'{1e3 * r:.3f}' for r in runs)} ms), {TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the "
+               "emitted program (step time beyond the cost model, per collective)")
+    cluster = dataclasses.replace(cluster, source=source, device=dataclasses.replace(
+        cluster.device, collective_overhead=round(statistics.mean(runs), 6)))
+    _write(cluster, out_path)
     return cluster
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 CPU_GEMM_SIZES = (64, 128, 256, 384, 512, 768, 1024)
 GPU_GEMM_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -26,6 +27,20 @@ CPU_COPY_BYTES = (32 << 20, 64 << 20, 128 << 20, 256 << 20)
 """Larger than the last-level cache, so copies stream from DRAM."""
 GPU_COPY_BYTES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
 COLLECTIVE_BYTES = (4, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+CPU_ELEMENT_SIZES = (64, 512)
+"""Rows of 256 elements: 16 Ki and 128 Ki elements (64 and 512 KiB of fp32),
+cache-resident, where an op's arithmetic shows rather than DRAM bandwidth."""
+GPU_ELEMENT_SIZES = (4096, 32768)
+ELEMENT_OPS = {
+    "add": lambda x: x + x, "mul": lambda x: x * x, "relu": torch.relu, "tanh": torch.tanh, "exp": torch.exp,
+    "sigmoid": torch.sigmoid, "silu": F.silu, "gelu": F.gelu, "rsqrt": torch.rsqrt,
+    "pow": lambda x: torch.pow(x, 2), "mean": lambda x: x.mean(-1), "sum": lambda x: x.sum(-1),
+    "softmax": lambda x: torch.softmax(x, -1), "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]), "dropout": lambda x: F.dropout(x, 0.1, True),
+}
+"""ATen op name (as torch.export records it) -> the op on a (rows, 256) tensor
+of values in [0.5, 1.5): the element-wise, reduction and normalisation ops
+common in models, timed forward and backward (Device.element_time)."""
 MIN_SECONDS = 0.2
 """Repeat each measurement until this much time has passed (and at least 3 times)."""
 
@@ -100,6 +115,22 @@ def measure_op_latency(device: torch.device) -> float:
     return _timed(lambda: torch.add(x, 1, out=y), device)
 
 
+def measure_elements(device: torch.device, dtype: torch.dtype, sizes) -> list[dict]:
+    """Forward and backward seconds of each ELEMENT_OPS op at two sizes; the
+    fit takes the slope, which leaves out the per-call costs."""
+    out = []
+    for op, fn in ELEMENT_OPS.items():
+        for rows in sizes:
+            x = (torch.rand(rows, 256, device=device, dtype=dtype) + 0.5).requires_grad_()
+            y = fn(x)
+            dy = torch.ones_like(y)
+            dist.barrier()
+            forward = _timed(lambda: fn(x), device, MIN_SECONDS / 2)
+            backward = _timed(lambda: torch.autograd.grad(y, x, dy, retain_graph=True), device, MIN_SECONDS / 2)
+            out.append({"op": op, "elements": rows * 256, "forward_s": forward, "backward_s": backward})
+    return out
+
+
 def measure_collectives(device: torch.device, sizes) -> list[dict]:
     """All-reduce and all-gather through the functional collectives, the path
     emitted programs take (DTensor redistribute issues them, then waits on
@@ -140,9 +171,11 @@ def main(argv=None) -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         device, dtype, gemm_sizes, copy_sizes = torch.device("cuda", local), torch.bfloat16, GPU_GEMM_SIZES, GPU_COPY_BYTES
+        element_sizes = GPU_ELEMENT_SIZES
     else:
         torch.set_num_threads(1)
         device, dtype, gemm_sizes, copy_sizes = torch.device("cpu"), torch.float32, CPU_GEMM_SIZES, CPU_COPY_BYTES
+        element_sizes = CPU_ELEMENT_SIZES
     dist.init_process_group(args.backend)
     raw = {
         "world_size": dist.get_world_size(),
@@ -152,6 +185,8 @@ def main(argv=None) -> None:
         "gemm": _gather_median(measure_gemms(device, dtype, gemm_sizes)),
         "copy": _gather_median(measure_copies(device, copy_sizes)),
         "op_latency": _gather_median([{"seconds": measure_op_latency(device)}])[0]["seconds"],
+        "elements": _gather_median(_gather_median(measure_elements(device, dtype, element_sizes), "forward_s"),
+                                   "backward_s"),
         "collectives": measure_collectives(device, COLLECTIVE_BYTES),
     }
     if dist.get_rank() == 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Literal
 
 from autopar.errors import ClusterError
@@ -81,10 +81,26 @@ class Device:
     op_latency: float = 0.0
     """Fixed seconds per non-GEMM op (kernel launch, or eager dispatch on CPU)."""
     runtime_overhead: float = 0.0
-    """Seconds autopar's eager SPMD runtime adds per op and pass (DTensor wrapping,
-    autograd bookkeeping), measured through the runtime itself by ``autopar
-    calibrate`` (autopar/measure.py, runtime_overhead); 0 where not measured
-    (the GPU presets, where host-side dispatch overlaps with device work)."""
+    """Seconds autopar's eager SPMD runtime adds per call and pass, whatever
+    its inputs: each op (dispatch, wrapping its output as a DTensor), and the
+    wrapping of each parameter, buffer and input (graph_costs.runtime_inputs);
+    measured through the runtime itself by ``autopar calibrate``
+    (autopar/measure.py, runtime_overheads); 0 where not measured (the GPU
+    presets, where host-side dispatch overlaps with device work)."""
+    input_overhead: float = 0.0
+    """Seconds the runtime adds per DTensor input an op unwraps, per pass (the
+    unwrapping, and in backward its autograd node and the summing of the
+    gradients of a tensor read more than once), fitted with
+    ``runtime_overhead`` on chains whose ops take one and two inputs; 0 where
+    not measured."""
+    element_time: dict = field(default_factory=dict)
+    """Measured seconds per element of ATen ops whose arithmetic, not memory,
+    can bound them, by op name: ``{"tanh": [forward, backward], ...}``. On a
+    CPU rank a tanh, an exp or dropout's random numbers take several times a
+    copy of the same tensor; ``autopar calibrate`` measures each listed op
+    (calibrate_worker.ELEMENT_OPS) as the slope of its time over tensor size.
+    An op not listed is priced by the roofline alone; empty for the GPU
+    presets, whose element-wise kernels are bandwidth-bound."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more
@@ -107,7 +123,23 @@ class Device:
         _positive(where, "gemm_latency (s)", self.gemm_latency, allow_zero=True)
         _positive(where, "op_latency (s)", self.op_latency, allow_zero=True)
         _positive(where, "runtime_overhead (s)", self.runtime_overhead, allow_zero=True)
+        _positive(where, "input_overhead (s)", self.input_overhead, allow_zero=True)
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
+        if not isinstance(self.element_time, dict):
+            raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "
+                               f"got {self.element_time!r}")
+        for op, times in self.element_time.items():
+            if not isinstance(times, (list, tuple)) or len(times) != 2:
+                raise ClusterError(f"{where}: element_time[{op!r}] must be [forward seconds, backward seconds] "
+                                   f"per element, got {times!r}")
+            for i, t in enumerate(times):
+                _positive(where, f"element_time[{op!r}][{i}] (s)", t, allow_zero=True)
+
+    def element_seconds(self, op: str, elements: float, backward: bool = False) -> float:
+        """Seconds the measured per-element rate of ATen op ``op`` gives
+        ``elements`` elements (forward, or its backward); 0 if not measured."""
+        times = self.element_time.get(op)
+        return times[1 if backward else 0] * elements if times else 0.0
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; dtypes the device does not list fall back to fp32."""

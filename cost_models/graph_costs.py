@@ -39,6 +39,9 @@ def param_bytes(precision: str, optimizer: str) -> dict:
     return {"parameters": 2, "gradients": 2, "optimizer": 4 + states}
 
 
+_aten = torch.ops.aten
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
@@ -113,23 +116,66 @@ def splits(strategy: Strategy, n_axes: int) -> tuple:
 
 def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[float, float]:
     """(forward seconds, backward seconds) of a node under strategy ``s``."""
-    if node.kind is not NodeKind.OP or node.target is operator.getitem:
+    inputs = runtime_inputs(node)
+    if inputs is None:
         return 0.0, 0.0
+    dev = ctx.cluster.device
+    overhead = dev.runtime_overhead + dev.input_overhead * inputs
+    if node.kind is not NodeKind.OP or passes_through(node):
+        return overhead, overhead if backward else 0.0
     work = math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
     rule = get_rule(node.target)
     matmul = rule is not None and rule.matmul
     dtype = ctx.precision if node.out.dtype.is_floating_point and ctx.precision != "fp32" \
         else _dtype_name(node.out.dtype)
     nbytes = sum(ctx.tensor_bytes(m) for m in (*node.info.inputs, *node.info.outputs))
-    fwd = op_time(op_flops(node) / work, nbytes / work, ctx.cluster.device, dtype, matmul=matmul)
+    op, elements = op_name(node), max(math.prod(m.shape) for m in (*node.info.inputs, *node.info.outputs)) / work
+    fwd = op_time(op_flops(node) / work, nbytes / work, dev, dtype, matmul=matmul,
+                  measured=dev.element_seconds(op, elements))
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
-    # about one pass over the same data.
-    bwd = (2.0 if matmul else 1.0) * fwd if backward else 0.0
-    overhead = ctx.cluster.device.runtime_overhead
+    # about one pass over the same data, at their own measured rate if any.
+    bwd = 0.0
+    if backward:
+        if op in dev.element_time and not matmul:
+            bwd = op_time(0.0, nbytes / work, dev, dtype, measured=dev.element_seconds(op, elements, backward=True))
+        else:
+            bwd = (2.0 if matmul else 1.0) * fwd
     return fwd + overhead, bwd + (overhead if backward else 0.0)
 
 
-_aten = torch.ops.aten
+def passes_through(node: Node) -> bool:
+    """An op that returns its input untouched: dropout with p = 0 or outside
+    training (ATen's dropout returns the input itself then)."""
+    if node.target is not _aten.dropout.default:
+        return False
+    return node.info.arg(1, "p", 0.5) == 0 or not node.info.arg(2, "train", True)
+
+
+def op_name(node: Node) -> str:
+    """The ATen op's name without namespace or overload ("tanh", "_softmax")."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
+
+
+def runtime_inputs(node: Node) -> int | None:
+    """How many DTensors the SPMD runtime unwraps when it runs ``node``, or
+    None where it runs nothing: an op unwraps each tensor input; a parameter,
+    buffer or input is one call with none (spmd.param / shard_input wrap it as a
+    DTensor); a getitem, a constant or the output is no runtime call of its own."""
+    if node.kind is NodeKind.OP:
+        return None if node.target is operator.getitem else len(node.inputs)
+    return 0 if node.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT) else None
+
+
+def runtime_passes(graph: Graph) -> tuple[int, int]:
+    """(call passes, unwrapped-input passes) of one training step: how many
+    times ``node_compute`` charges ``runtime_overhead`` and ``input_overhead``
+    (every runtime call forward, and backward where its output has a gradient)."""
+    grad = needs_grad(graph)
+    calls = [(1 + (n.name in grad), k) for n in graph.nodes.values() if (k := runtime_inputs(n)) is not None]
+    return sum(p for p, _ in calls), sum(p * k for p, k in calls)
+
+
 VIEW_OPS = {
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.flatten.using_ints,
     _aten.unflatten.int, _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default, _aten.expand.default,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from autopar.cost_models.calibrate import fit_alpha_beta, fit_line, profile_from_raw
+from autopar.cost_models.calibrate import fit_alpha_beta, fit_element_time, fit_line, profile_from_raw
 from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
 from autopar.cost_models.collectives import Algorithm, Collective, axis_links, collective_time, ring_bytes
 from autopar.cost_models.compute import op_time
@@ -111,6 +111,105 @@ def test_op_time_is_a_roofline():
     assert compute_bound == pytest.approx(dev.gemm_latency + 1e12 / (312e12 * dev.gemm_efficiency))
     memory_bound = op_time(0.0, 1e9, dev, "bf16")
     assert memory_bound == pytest.approx(dev.op_latency + 1e9 / (2039e9 * dev.memory_efficiency))
+
+
+def _captured(model, *inputs):
+    import torch
+    from autopar.capture import capture
+    return capture(model, inputs, loss_fn=torch.nn.functional.mse_loss)
+
+
+def _replicated(node):
+    from autopar.passes.strategy import R, Strategy
+    return Strategy(tuple((R,) for _ in node.inputs), (R,))
+
+
+def _compute(graph, cluster):
+    from autopar.cost_models.graph_costs import CostContext, needs_grad, node_compute
+    ctx, grad = CostContext.make((1,), cluster), needs_grad(graph)
+    return {n.name: node_compute(n, _replicated(n), ctx, n.name in grad) for n in graph.nodes.values()}
+
+
+def _with_device(cluster, **fields):
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **fields))
+
+
+def test_runtime_overhead_is_per_call_and_per_unwrapped_input():
+    """The SPMD runtime's cost: ``runtime_overhead`` per call and pass (ops,
+    and the wrapping of parameters and inputs), ``input_overhead`` per DTensor
+    input an op unwraps; backward only where a gradient flows; a getitem is no
+    call. The step's total is what ``runtime_passes`` counts, which is what
+    ``autopar calibrate`` fits the two constants against."""
+    import torch
+    from autopar.cost_models.graph_costs import runtime_passes
+    torch.manual_seed(0)
+    graph = _captured(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), torch.randn(2, 4), torch.randn(2, 4))
+    cpu = get_cluster("cpu")
+    base = _compute(graph, _with_device(cpu, runtime_overhead=0.0, input_overhead=0.0))
+    per_call = _compute(graph, _with_device(cpu, runtime_overhead=1e-3, input_overhead=0.0))
+    per_input = _compute(graph, _with_device(cpu, runtime_overhead=0.0, input_overhead=1e-3))
+    nodes = graph.nodes
+    linear = next(n for n in nodes.values() if "linear" in n.name)
+    tanh = next(n for n in nodes.values() if "tanh" in n.name)
+    weight = next(n for n in nodes.values() if n.kind.value == "param")
+    x = next(n for n in nodes.values() if n.kind.value == "input")
+    extra = lambda costs, name: tuple(round(c - b, 9) for c, b in zip(costs[name], base[name]))  # noqa: E731
+    assert extra(per_call, linear.name) == extra(per_call, tanh.name) == (1e-3, 1e-3)
+    assert extra(per_input, linear.name) == (3e-3, 3e-3) and extra(per_input, tanh.name) == (1e-3, 1e-3)
+    assert extra(per_call, weight.name) == (1e-3, 1e-3) and extra(per_input, weight.name) == (0.0, 0.0)
+    assert extra(per_call, x.name) == (1e-3, 0.0)  # wrapped forward, no gradient
+    calls, inputs = runtime_passes(graph)
+    total = lambda costs: sum(f + b for f, b in costs.values())  # noqa: E731
+    assert total(per_call) - total(base) == pytest.approx(calls * 1e-3)
+    assert total(per_input) - total(base) == pytest.approx(inputs * 1e-3)
+
+
+def test_fit_runtime_overheads_separates_calls_from_inputs():
+    from autopar.measure import fit_runtime_overheads
+    a, b = 40e-6, 30e-6
+    rows = [(calls, inputs, a * calls + b * inputs) for calls, inputs in ((294, 296), (106, 108), (106, 202))]
+    assert fit_runtime_overheads(rows) == pytest.approx((a, b))
+    # a term the data make negative is dropped and the other refitted alone
+    rows = [(100, 100, 1e-3), (100, 200, 1e-3)]
+    assert fit_runtime_overheads(rows) == pytest.approx((1e-5, 0.0))
+
+
+def test_measured_element_rates_bound_the_ops_they_name():
+    """An op ``element_time`` lists costs at least its measured seconds per
+    element, forward and backward each at its own rate; an op it does not
+    list keeps the roofline; dropout that drops nothing costs no compute."""
+    import torch
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.nn.functional.dropout(torch.tanh(h), 0.0) + torch.relu(h)
+
+    graph = _captured(Net(), torch.randn(32, 64), torch.randn(32, 64))
+    cpu = _with_device(get_cluster("cpu"), runtime_overhead=0.0, input_overhead=0.0, element_time={})
+    fwd_s, bwd_s = 1e-6, 2e-7  # far above the roofline for 2048 elements
+    slow = _with_device(cpu, element_time={"tanh": [fwd_s, bwd_s]})
+    plain, measured = _compute(graph, cpu), _compute(graph, slow)
+    name = lambda op: next(n for n in graph.nodes if n.startswith(op))  # noqa: E731
+    lat = cpu.device.op_latency
+    assert measured[name("tanh")] == pytest.approx((lat + 2048 * fwd_s, lat + 2048 * bwd_s))
+    assert plain[name("tanh")][0] < measured[name("tanh")][0] / 10
+    assert measured[name("relu")] == plain[name("relu")]
+    assert measured[name("dropout")] == (0.0, 0.0)
+
+
+def test_fit_element_time_takes_the_slope():
+    rows = [{"op": "tanh", "elements": n, "forward_s": 5e-6 + 4e-9 * n, "backward_s": 3e-6 + 1e-9 * n}
+            for n in (16384, 131072)]
+    rows += [{"op": "sum", "elements": n, "forward_s": 5e-6, "backward_s": 6e-6 - 1e-12 * n} for n in (16384, 131072)]
+    fitted = fit_element_time(rows)
+    assert fitted["tanh"] == pytest.approx([4e-9, 1e-9])
+    assert fitted["sum"] == [0.0, 0.0]  # a flat or falling time is no per-element cost
 
 
 # --- transformer: formulas ---------------------------------------------------------------------
@@ -307,6 +406,10 @@ def _valid_cluster() -> dict:
     (lambda c: c["device"]["peak_flops"].update(int4=1e15), r"peak_flops key 'int4' is not one of"),
     (lambda c: c.update(devices_per_node=0), r"devices_per_node must be a positive integer, got 0"),
     (lambda c: c["device"].update(collective_overhead=-1e-3), r"collective_overhead \(s\) must be a finite number >= 0"),
+    (lambda c: c["device"].update(input_overhead=float("nan")), r"input_overhead \(s\) must be a finite number >= 0"),
+    (lambda c: c["device"].update(element_time={"tanh": 4e-9}), r"element_time\['tanh'\] must be \[forward seconds, "
+                                                                 r"backward seconds\] per element, got 4e-09"),
+    (lambda c: c["device"].update(element_time={"tanh": [4e-9, -1]}), r"element_time\['tanh'\]\[1\] \(s\) must be"),
 ])
 def test_invalid_cluster_files_give_clear_errors(tmp_path, edit, message):
     obj = _valid_cluster()
@@ -352,6 +455,8 @@ def test_profile_from_raw_is_a_valid_cluster():
            "gemm": [{"flops": f, "seconds": 5e-6 + f / 40e9} for f in (1e6, 1e8, 2e9)],
            "copy": [{"bytes_moved": b, "seconds": b / 5e9} for b in (6.4e7, 2.6e8)],
            "op_latency": 4e-6,
+           "elements": [{"op": "tanh", "elements": n, "forward_s": 2e-6 + 4e-9 * n, "backward_s": 1e-9 * n}
+                        for n in (1000, 9000)],
            "collectives": [{"kind": "all_reduce", "bytes": b, "seconds": 6 * 2e-4 + 1.5 * b / 1e9}
                            for b in (4.0, 1e6, 1.6e7)]}
     cluster = profile_from_raw(raw, name="cpu-test", source="test", device_name="cpu-rank", memory=6e9,
@@ -361,6 +466,7 @@ def test_profile_from_raw_is_a_valid_cluster():
     assert cluster.device.gemm_latency == pytest.approx(5e-6)
     assert cluster.device.memory_bandwidth == pytest.approx(5e9)
     assert (cluster.intra_node.latency, cluster.intra_node.bandwidth) == pytest.approx((2e-4, 1e9))
+    assert cluster.device.element_time["tanh"] == pytest.approx([4e-9, 1e-9])
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
 
 
