@@ -246,7 +246,7 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     return cluster
 
 
-OVERHEAD_RUNS = 2
+OVERHEAD_RUNS = 3
 
 
 def _write(cluster: Cluster, path: str) -> None:
