@@ -141,7 +141,7 @@ def diff_plans(a: Plan, b: Plan) -> dict:
 
     cls_a, cls_b = _by_class(a), _by_class(b)
     where = []
-    for cls in cls_a.keys() | cls_b.keys():
+    for cls in sorted(cls_a.keys() | cls_b.keys()):  # ties then read in name order, whatever the hash seed
         (fa, ca), (fb, cb) = cls_a.get(cls, (0.0, 0.0)), cls_b.get(cls, (0.0, 0.0))
         where.append({"class": cls, "a_compute_s": fa, "b_compute_s": fb, "a_comm_s": ca, "b_comm_s": cb,
                       "delta_s": (fb + cb) - (fa + ca)})

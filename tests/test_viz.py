@@ -487,6 +487,9 @@ def test_diff_of_a_plan_with_itself_is_empty(mlp_plans, tmp_path, capsys):
     a, _ = mlp_plans
     d = diff_plans(a, a)
     assert d["parameters"] == [] and d["nodes"] == [] and d["sources"] == []
+    # every class ties at 0: the rows come in name order, not the order of a string set
+    rows = [r["class"] for r in d["by_layer_class"]]
+    assert rows == sorted(rows) and len(rows) > 2
     a.save(str(tmp_path / "a.json"))
     assert diff_main([str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert "0 of" in capsys.readouterr().out
