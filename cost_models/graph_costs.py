@@ -121,7 +121,7 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
         return 0.0, 0.0
     dev = ctx.cluster.device
     overhead = dev.runtime_overhead + dev.input_overhead * inputs
-    if node.kind is not NodeKind.OP or passes_through(node):
+    if node.kind is not NodeKind.OP:
         return overhead, overhead if backward else 0.0
     work = math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
     rule = get_rule(node.target)
@@ -141,14 +141,6 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
         else:
             bwd = (2.0 if matmul else 1.0) * fwd
     return fwd + overhead, bwd + (overhead if backward else 0.0)
-
-
-def passes_through(node: Node) -> bool:
-    """An op that returns its input untouched: dropout with p = 0 or outside
-    training (ATen's dropout returns the input itself then)."""
-    if node.target is not _aten.dropout.default:
-        return False
-    return node.info.arg(1, "p", 0.5) == 0 or not node.info.arg(2, "train", True)
 
 
 def op_name(node: Node) -> str:
