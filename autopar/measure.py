@@ -62,7 +62,7 @@ def runtime_overheads(nproc: int, cluster: str = "cpu", steps: int = 20, runs: i
     for _ in range(runs):
         for source in OP_CHAINS:
             excess, result = _excess(source, nproc, cluster, steps)
-            rows.append((result["op_passes"], result["input_passes"], excess))
+            rows.append((result["call_passes"], result["input_passes"], excess))
     return (*fit_runtime_overheads(rows), rows)
 
 
@@ -73,10 +73,10 @@ def fit_runtime_overheads(rows) -> tuple[float, float]:
     makes negative is dropped (0) and the other refitted alone."""
     a = np.array([r[:2] for r in rows], float)
     b = np.array([r[2] for r in rows], float)
-    per_op, per_input = np.linalg.lstsq(a, b, rcond=None)[0]
-    if per_op >= 0 and per_input >= 0:
-        return float(per_op), float(per_input)
-    col = 1 if per_op < 0 else 0  # the term that stays
+    per_call, per_input = np.linalg.lstsq(a, b, rcond=None)[0]
+    if per_call >= 0 and per_input >= 0:
+        return float(per_call), float(per_input)
+    col = 1 if per_call < 0 else 0  # the term that stays
     only = max(0.0, float(a[:, col] @ b / (a[:, col] @ a[:, col])))
     return (0.0, only) if col == 1 else (only, 0.0)
 
@@ -212,7 +212,7 @@ def main(argv=None) -> None:
               "predicted_step_s": plan.predicted["step_time_s"], "measured_step_s": statistics.median(times),
               "predicted": {k: plan.predicted[k] for k in ("compute_s", "comm_s", "optimizer_s")},
               "op_nodes": sum(1 for n in plan.nodes if n.op not in ("param", "input", "buffer", "output")),
-              **dict(zip(("op_passes", "input_passes"), runtime_passes(graph))),
+              **dict(zip(("call_passes", "input_passes"), runtime_passes(graph))),
               "collectives": len(plan.collectives),
               "windows": times}
     if dist.get_rank() == 0:
