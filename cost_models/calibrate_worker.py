@@ -151,13 +151,13 @@ def measure_collectives(device: torch.device, sizes) -> list[dict]:
     return out
 
 
-def _gather_median(rows: list[dict], key: str = "seconds") -> list[dict]:
-    """Per-row median of ``key`` across ranks (rank 0's rows otherwise)."""
+def _gather_median(rows: list[dict], keys: tuple = ("seconds",)) -> list[dict]:
+    """Per-row median of each of ``keys`` across ranks (rank 0's rows otherwise)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     merged = []
     for i, row in enumerate(rows):
-        merged.append(dict(row, **{key: statistics.median(r[i][key] for r in everyone)}))
+        merged.append(dict(row, **{key: statistics.median(r[i][key] for r in everyone) for key in keys}))
     return merged
 
 
@@ -185,8 +185,7 @@ def main(argv=None) -> None:
         "gemm": _gather_median(measure_gemms(device, dtype, gemm_sizes)),
         "copy": _gather_median(measure_copies(device, copy_sizes)),
         "op_latency": _gather_median([{"seconds": measure_op_latency(device)}])[0]["seconds"],
-        "elements": _gather_median(_gather_median(measure_elements(device, dtype, element_sizes), "forward_s"),
-                                   "backward_s"),
+        "elements": _gather_median(measure_elements(device, dtype, element_sizes), ("forward_s", "backward_s")),
         "collectives": measure_collectives(device, COLLECTIVE_BYTES),
     }
     if dist.get_rank() == 0:

@@ -128,8 +128,9 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     matmul = rule is not None and rule.matmul
     dtype = ctx.precision if node.out.dtype.is_floating_point and ctx.precision != "fp32" \
         else _dtype_name(node.out.dtype)
-    nbytes = sum(ctx.tensor_bytes(m) for m in (*node.info.inputs, *node.info.outputs))
-    op, elements = op_name(node), max(math.prod(m.shape) for m in (*node.info.inputs, *node.info.outputs)) / work
+    metas = (*node.info.inputs, *node.info.outputs)
+    nbytes = sum(ctx.tensor_bytes(m) for m in metas)
+    op, elements = op_name(node), max(math.prod(m.shape) for m in metas) / work
     fwd = op_time(op_flops(node) / work, nbytes / work, dev, dtype, matmul=matmul,
                   measured=dev.element_seconds(op, elements))
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
