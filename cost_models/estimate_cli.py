@@ -37,6 +37,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     model.add_argument("--kv-heads", type=_positive_int, help="key/value heads (grouped-query attention)")
     model.add_argument("--ffn-hidden", type=_positive_int, help="MLP hidden size (default 4h; 8h/3 with --swiglu)")
     model.add_argument("--swiglu", action="store_true", help="Llama block: SwiGLU MLP, no biases, no dropout")
+    model.add_argument("--untied-embeddings", action="store_true",
+                       help="the output layer has its own weights (Llama 2/3), not the word embeddings")
     model.add_argument("--seq", type=_positive_int, required=True)
     model.add_argument("--vocab", type=_positive_int, required=True)
     plan = ap.add_argument_group("plan")
@@ -46,6 +48,10 @@ def estimate_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=_positive_int, required=True)
     plan.add_argument("--dp", type=_positive_int, required=True)
     plan.add_argument("--virtual-stages", type=_positive_int, default=1, help="interleaved 1F1B chunks per stage")
+    plan.add_argument("--first-stage-layers", type=_positive_int,
+                      help="layers on the first pipeline stage (uneven stages; default: an equal share)")
+    plan.add_argument("--last-stage-layers", type=_positive_int,
+                      help="layers on the last pipeline stage (uneven stages; default: an equal share)")
     plan.add_argument("--sequence-parallel", action="store_true")
     plan.add_argument("--recompute", choices=[r.value for r in Recompute], default=Recompute.NONE.value)
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
@@ -63,10 +69,12 @@ def estimate_parser() -> argparse.ArgumentParser:
 def estimate_from_args(args: argparse.Namespace) -> StepEstimate:
     model = TransformerConfig(
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, swiglu=args.swiglu)
+        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, swiglu=args.swiglu,
+        untied_embeddings=args.untied_embeddings)
     plan = TrainingPlan(
         batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp,
-        virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
+        virtual_stages=args.virtual_stages, first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers, sequence_parallel=args.sequence_parallel,
         recompute=args.recompute, zero=args.zero, precision=args.precision, attention=args.attention)
     return estimate(model, plan, get_cluster(args.cluster), args.nodes)
 
@@ -91,7 +99,8 @@ def format_estimate(est: StepEstimate, cluster: str) -> str:
                          ("pipeline comm", t.pp_comm_s), ("data-parallel comm", t.dp_comm_s),
                          ("pipeline bubble", t.bubble_s), ("optimizer step", t.optimizer_s)):
         rows.append((f"  {label}", f"{_seconds(value):>10}  {value / step:6.1%}"))
-    rows += [("", ""), (f"memory per GPU (stage {m.stage})", f"{m.total / 2**30:.2f} GiB")]
+    capacity = f"of {est.memory_capacity_bytes / 2**30:.2f} GiB" + ("" if est.fits_in_memory else ": does not fit")
+    rows += [("", ""), (f"memory per GPU (stage {m.stage})", f"{m.total / 2**30:.2f} GiB {capacity}")]
     for label, value in (("parameters", m.parameters), ("gradients", m.gradients),
                          ("optimizer states", m.optimizer_states), ("activations", m.activations)):
         rows.append((f"  {label}", f"{value / 2**30:10.2f} GiB"))
@@ -106,6 +115,11 @@ def estimate_main(argv=None) -> int:
     except AutoparError as e:
         print(f"autopar estimate: error: {e}", file=sys.stderr)
         return 2
+    if not est.fits_in_memory:
+        m = est.memory
+        print(f"autopar estimate: warning: stage {m.stage} needs {m.total / 2**30:.2f} GiB per GPU, more than the "
+              f"{est.memory_capacity_bytes / 2**30:.2f} GiB a device of {args.cluster} has; a larger --zero, "
+              f"--recompute, --tp or --pp, or a smaller --microbatch needs less", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:

@@ -15,7 +15,9 @@ What is counted, per GPU and per microbatch:
   2 when the forward is recomputed), or reduce-scatter + all-gather pairs with
   sequence parallelism;
 - pipeline send/recv per virtual stage and the bubble (p - 1) / v of a
-  microbatch time (interleaved 1F1B, Narayanan et al. SC'21);
+  microbatch time (interleaved 1F1B, Narayanan et al. SC'21); stages may hold
+  uneven layer counts (the first and last pinned), the slowest stage sets the
+  pace of every microbatch;
 - data-parallel gradient all-reduce / reduce-scatter (bucketed, overlapped
   with the last microbatch's backward when the plan says so), ZeRO parameter
   all-gathers, and the optimizer step as memory traffic.
@@ -114,6 +116,11 @@ class TransformerConfig:
     """MLP hidden size (default 4h; with SwiGLU 2/3 of 4h rounded up to 256, as in Llama)."""
     swiglu: bool = False
     """Llama-style block (see class docstring)."""
+    untied_embeddings: bool = False
+    """The output layer has its own weights (Llama 2 and 3; Megatron's
+    ``--untie-embeddings-and-output-weights``) instead of reusing the word
+    embeddings (GPT, Megatron's default): V h more parameters, and without
+    pipelining a second V h on the one stage."""
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -174,9 +181,10 @@ class TransformerConfig:
         return self.vocab * self.hidden + positions
 
     def parameters(self) -> int:
-        """Total parameters (word embeddings tied with the output layer)."""
+        """Total parameters (the output layer's own only when untied)."""
         final_norm = self.hidden if self.swiglu else 2 * self.hidden
-        return self.layers * sum(self.layer_params()) + self.embedding_params() + final_norm
+        output = self.vocab * self.hidden if self.untied_embeddings else 0
+        return self.layers * sum(self.layer_params()) + self.embedding_params() + final_norm + output
 
     def layer_forward_flops(self) -> float:
         """Forward FLOPs of one layer for one sequence (GEMMs and attention)."""
@@ -209,6 +217,14 @@ class TrainingPlan:
     """Data-parallel size, d."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage, v (interleaved 1F1B when > 1)."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage, when it holds fewer (or more) than
+    the rest, as Megatron-Core's ``--decoder-first-pipeline-num-layers``
+    (Llama 3 405B took one layer off the first and the last stage: Dubey et
+    al. 2024, sec. 3.3.2). None: the layers split evenly."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (Megatron-Core's
+    ``--decoder-last-pipeline-num-layers``); None: split evenly."""
     sequence_parallel: bool = False
     """Shard layer norms and dropouts along the sequence over the tp group."""
     recompute: Recompute = Recompute.NONE
@@ -225,6 +241,9 @@ class TrainingPlan:
     def __post_init__(self):
         for name in ("batch", "microbatch", "tp", "pp", "dp", "virtual_stages"):
             _require_positive_int(name, getattr(self, name))
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "attention", _enum(AttentionKernel, self.attention, "attention"))
@@ -272,8 +291,6 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
         (model.heads % plan.tp == 0, f"heads ({model.heads}) must be divisible by tp ({plan.tp})"),
         (model.n_kv_heads % plan.tp == 0, f"kv-heads ({model.n_kv_heads}) must be divisible by tp ({plan.tp})"),
         (model.ffn % plan.tp == 0, f"ffn-hidden ({model.ffn}) must be divisible by tp ({plan.tp})"),
-        (model.layers % (plan.pp * plan.virtual_stages) == 0,
-         f"layers ({model.layers}) must be divisible by pp ({plan.pp}) * virtual-stages ({plan.virtual_stages})"),
         (plan.batch % (plan.microbatch * plan.dp) == 0,
          f"batch ({plan.batch}) must be divisible by microbatch ({plan.microbatch}) * dp ({plan.dp})"),
         (plan.virtual_stages == 1 or plan.pp > 1, "virtual-stages > 1 needs pp > 1"),
@@ -286,6 +303,35 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
     for ok, message in rules:
         if not ok:
             raise EstimateError(message)
+    stage_layers(model, plan)
+
+
+def stage_layers(model: TransformerConfig, plan: TrainingPlan) -> tuple[int, ...]:
+    """Layers on each pipeline stage (all its virtual chunks together): the
+    first and last as the plan pins them, the others an equal share of the
+    rest. Raises EstimateError, naming the counts, where they do not add up.
+    Without pins the layers must split into pp * v equal chunks (Megatron's
+    rule); with pins each stage needs at least v layers, and a stage whose
+    layers v does not divide has chunks one layer apart."""
+    p, v, first, last = plan.pp, plan.virtual_stages, plan.first_stage_layers, plan.last_stage_layers
+    if first is None and last is None:
+        if model.layers % (p * v):
+            raise EstimateError(
+                f"layers ({model.layers}) must be divisible by pp ({p}) * virtual-stages ({v}), "
+                f"or give first-stage-layers / last-stage-layers for uneven stages")
+        return (model.layers // p,) * p
+    if p == 1:
+        raise EstimateError("first-stage-layers / last-stage-layers need pp > 1")
+    pinned = {i: n for i, n in ((0, first), (p - 1, last)) if n is not None}
+    rest, free = model.layers - sum(pinned.values()), p - len(pinned)
+    if rest < free or (free and rest % free) or (not free and rest):
+        given = " + ".join(f"{'first' if i == 0 else 'last'}-stage-layers ({n})" for i, n in pinned.items())
+        share = f"the other {free} stage(s) an equal share of at least one" if free else "no other stages"
+        raise EstimateError(f"layers ({model.layers}) = {given} + {rest} left, which cannot give {share}")
+    counts = tuple(pinned.get(i, rest // free if free else 0) for i in range(p))
+    if min(counts) < v:
+        raise EstimateError(f"every stage needs at least virtual-stages ({v}) layers; the stages have {list(counts)}")
+    return counts
 
 
 # --- results -------------------------------------------------------------------
@@ -355,16 +401,23 @@ class StepEstimate:
     """Microbatches per pipeline per step."""
     parameters: int
     """Model parameters."""
+    memory_capacity_bytes: float
+    """The device's memory, bytes."""
 
     @property
     def peak_memory_bytes(self) -> float:
         return self.memory.total
+
+    @property
+    def fits_in_memory(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_capacity_bytes
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["time"]["total_s"] = self.time.total_s
         out["memory"]["total"] = self.memory.total
         out["peak_memory_bytes"] = self.peak_memory_bytes
+        out["fits_in_memory"] = self.fits_in_memory
         return out
 
 
@@ -611,7 +664,7 @@ class StageTime:
 
 def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, fabric: Fabric) -> list[StageTime]:
     """Per-microbatch time of every pipeline stage (the first adds the embedding, the last the output layer)."""
-    per_stage = model.layers // plan.pp
+    layers = stage_layers(model, plan)
     layer = kernel_times(layer_kernels(model, plan), plan, cluster, recompute=True)
     layer_comm = tp_layer_comm(model, plan, fabric)
     embed = kernel_times(embedding_kernels(model, plan), plan, cluster, recompute=False)
@@ -621,8 +674,8 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
     # and once backward per microbatch.
     p2p = 2 * plan.virtual_stages * pp_transfer(model, plan, fabric)
     out = []
-    for i in range(plan.pp):
-        compute, comm = layer * per_stage, layer_comm * per_stage
+    for i, n in enumerate(layers):
+        compute, comm = layer * n, layer_comm * n
         if i == 0:
             compute = compute + embed
         if i == plan.pp - 1:
@@ -636,15 +689,14 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
 def stage_params(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
     """Parameters held by one GPU of pipeline stage ``stage`` (before ZeRO sharding)."""
     sharded, replicated = model.layer_params()
-    per_stage = model.layers // plan.pp
-    n = per_stage * (sharded / plan.tp + replicated)
+    n = stage_layers(model, plan)[stage] * (sharded / plan.tp + replicated)
     word = padded_vocab(model, plan) * model.hidden / plan.tp
     if stage == 0:
         n += word + (model.embedding_params() - model.vocab * model.hidden)
     if stage == plan.pp - 1:
         n += model.hidden if model.swiglu else 2 * model.hidden  # final norm
-        if plan.pp > 1:
-            n += word  # tied output embedding, a copy on the last stage
+        if plan.pp > 1 or model.untied_embeddings:
+            n += word  # the output layer: its own weights, or a copy of the tied embedding on the last stage
     return n
 
 
@@ -695,7 +747,7 @@ def _zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric,
     layer_bytes = (sharded / plan.tp + replicated) * plan.precision.elem_bytes
     gather = fabric.time(Collective.ALL_GATHER, layer_bytes, "dp")
     scatter = fabric.time(Collective.REDUCE_SCATTER, layer_bytes, "dp")
-    n = model.layers // plan.pp
+    n = stage_layers(model, plan)[0]
     fwd, rec, bwd = (stage.compute.forward / n, stage.compute.recompute / n, stage.compute.backward / n)
     exposed = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
     if plan.recompute is Recompute.FULL:
@@ -704,11 +756,12 @@ def _zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric,
 
 
 def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> float:
-    """Adam step on the first stage's (ZeRO-sharded) parameters, memory-bound:
+    """Adam step on the largest stage's (ZeRO-sharded) parameters, memory-bound:
     it reads the fp32 state (master weights, two moments: 12 bytes) and the
     gradient and writes the state back, plus the 16-bit weights when mixed."""
     e = plan.precision.elem_bytes
-    params = stage_params(model, plan, 0) / (plan.dp if plan.zero >= 1 else 1)
+    largest = max(stage_params(model, plan, i) for i in range(plan.pp))
+    params = largest / (plan.dp if plan.zero >= 1 else 1)
     per_param = 12 + e + 12 + (e if plan.precision.mixed else 0)
     return op_time(0.0, params * per_param, cluster.device, plan.precision.value)
 
@@ -763,8 +816,7 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
     al. 2022, Sec. 4.2.3); recomputation adds the working set of one layer."""
     p, v = plan.pp, plan.virtual_stages
     in_flight = min(plan.microbatches, p - stage)
-    per_stage = model.layers // p
-    held = in_flight * per_stage * layer_activation_bytes(model, plan)
+    held = in_flight * stage_layers(model, plan)[stage] * layer_activation_bytes(model, plan)
     if stage == 0 and v > 1:
         held *= 1 + (p - 1) / (p * v)
     if plan.recompute is not Recompute.NONE:
@@ -780,10 +832,11 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
 
 
 def peak_memory(model: TransformerConfig, plan: TrainingPlan) -> MemoryBreakdown:
-    """The larger of the first stage (most microbatches in flight, embedding) and
-    the last (output layer); a middle stage holds less than the first."""
+    """The stage that needs the most: with even stages the first (most
+    microbatches in flight, embedding) or the last (output layer); with
+    uneven ones it can be a middle stage."""
     best = None
-    for stage in sorted({0, plan.pp - 1}):
+    for stage in range(plan.pp):
         params, grads, opt = model_state_bytes(stage_params(model, plan, stage), plan)
         m = MemoryBreakdown(params, grads, opt, stage_activation_bytes(model, plan, stage), stage)
         if best is None or m.total > best.total:
@@ -821,4 +874,5 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
         world_size=n,
         microbatches=m,
         parameters=model.parameters(),
+        memory_capacity_bytes=cluster.device.memory,
     )

@@ -15,9 +15,11 @@ from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
 from autopar.cost_models.collectives import Algorithm, Collective, axis_links, collective_time, ring_bytes
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.estimate_cli import estimate_main
-from autopar.cost_models.transformer import (AttentionKernel, EstimateError, Precision, Recompute, TrainingPlan,
-                                             TransformerConfig, estimate, layer_activation_bytes, model_state_bytes,
-                                             stage_activation_bytes, step_flops)
+from autopar.cost_models.transformer import (AttentionKernel, EstimateError, Fabric, Precision, Recompute,
+                                             TrainingPlan, TransformerConfig, estimate, kernel_times,
+                                             layer_activation_bytes, layer_kernels, model_state_bytes,
+                                             stage_activation_bytes, stage_layers, stage_params, stage_times,
+                                             step_flops)
 from autopar.errors import ClusterError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,6 +221,26 @@ def test_parameter_count_matches_megatron_formula():
     assert GPT_1T.parameters() == pytest.approx(formula, rel=1e-6)  # we also count the final layer norm
 
 
+@pytest.mark.parametrize("layers, hidden, heads, kv_heads, ffn, vocab, count", [
+    (32, 4096, 32, 32, 11008, 32000, 6_738_415_616),  # Llama 2 7B
+    (32, 4096, 32, 8, 14336, 128256, 8_030_261_248),  # Llama 3 8B
+    (126, 16384, 128, 8, 53248, 128256, 405_853_388_800),  # Llama 3.1 405B
+])
+def test_llama_parameter_counts_are_exact(layers, hidden, heads, kv_heads, ffn, vocab, count):
+    """The published checkpoints' parameter counts (their Hugging Face model
+    cards' safetensors totals): SwiGLU blocks with grouped-query attention,
+    RMSNorms, and an output layer untied from the embeddings."""
+    llama = TransformerConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn,
+                              swiglu=True, seq=4096, vocab=vocab, untied_embeddings=True)
+    assert llama.parameters() == count
+    tied = dataclasses.replace(llama, untied_embeddings=False)
+    assert tied.parameters() == count - vocab * hidden
+    one_stage = TrainingPlan(batch=8, microbatch=1)
+    assert stage_params(llama, one_stage, 0) - stage_params(tied, one_stage, 0) == pytest.approx(vocab * hidden)
+    two_stages = TrainingPlan(batch=8, microbatch=1, pp=2)  # the last stage holds an output layer either way
+    assert [stage_params(llama, two_stages, i) for i in (0, 1)] == [stage_params(tied, two_stages, i) for i in (0, 1)]
+
+
 @pytest.mark.parametrize("recompute, coefficient, vocab_term", [
     (Recompute.NONE, 72, 12),
     (Recompute.FULL, 96, 16),
@@ -381,11 +403,45 @@ ONE_PER_NODE = dataclasses.replace(A100, name="one-per-node", devices_per_node=1
     (dict(pp=3), ONE_PER_NODE, 3, r"layers \(128\) must be divisible by pp \(3\)"),
     (dict(batch=10, dp=4), ONE_PER_NODE, 4, r"batch \(10\) must be divisible by microbatch \(1\) \* dp \(4\)"),
     (dict(virtual_stages=2), ONE_PER_NODE, 1, r"virtual-stages > 1 needs pp > 1"),
+    (dict(pp=3, first_stage_layers=41), ONE_PER_NODE, 3,
+     r"layers \(128\) = first-stage-layers \(41\) \+ 87 left, which cannot give the other 2 stage\(s\)"),
+    (dict(pp=2, first_stage_layers=60, last_stage_layers=60), ONE_PER_NODE, 2,
+     r"layers \(128\) = first-stage-layers \(60\) \+ last-stage-layers \(60\) \+ 8 left, which cannot give no other"),
+    (dict(pp=4, virtual_stages=4, first_stage_layers=2, last_stage_layers=2), ONE_PER_NODE, 4,
+     r"every stage needs at least virtual-stages \(4\) layers; the stages have \[2, 62, 62, 2\]"),
+    (dict(first_stage_layers=1), ONE_PER_NODE, 1, r"first-stage-layers / last-stage-layers need pp > 1"),
+    (dict(pp=2, first_stage_layers=0), ONE_PER_NODE, 2, r"first_stage_layers must be a positive integer, got 0"),
 ])
 def test_invalid_plans_say_why(plan, cluster, nodes, message):
-    plan = TrainingPlan(**{"batch": 64, "microbatch": 1, **plan})
     with pytest.raises(EstimateError, match=message):
-        estimate(GPT_1T, plan, cluster, nodes)
+        estimate(GPT_1T, TrainingPlan(**{"batch": 64, "microbatch": 1, **plan}), cluster, nodes)
+
+
+def test_uneven_stages_pin_the_first_and_last_and_the_slowest_sets_the_pace():
+    """Llama 3 405B's split (126 layers on 16 stages, one fewer on the first
+    and the last): the middle stages keep 8, the pinned ones 7; pinning the
+    even share changes nothing; a heavier first stage becomes the slowest."""
+    llama = TransformerConfig(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, swiglu=True,
+                              seq=8192, vocab=128256)
+    plan = TrainingPlan(batch=2048, microbatch=1, tp=8, pp=16, dp=64, virtual_stages=2,
+                        first_stage_layers=7, last_stage_layers=7)
+    assert stage_layers(llama, plan) == (7,) + (8,) * 14 + (7,)
+    flat = dataclasses.replace(plan, virtual_stages=1, sequence_parallel=True)
+    assert estimate(llama, flat, get_cluster("dgx-h100"), 1024).memory.stage == 1  # 8 x 15 in flight > 7 x 16
+
+    even = TrainingPlan(batch=64, microbatch=1, pp=4)
+    pinned = dataclasses.replace(even, first_stage_layers=32, last_stage_layers=32)
+    assert estimate(GPT_1T, pinned, ONE_PER_NODE, 4) == estimate(GPT_1T, even, ONE_PER_NODE, 4)
+
+    heavy = dataclasses.replace(even, first_stage_layers=38, last_stage_layers=30)  # 30 left for the other two
+    assert stage_layers(GPT_1T, heavy) == (38, 30, 30, 30)
+    fabric = Fabric.make(even, ONE_PER_NODE)
+    layer = kernel_times(layer_kernels(GPT_1T, even), even, ONE_PER_NODE, recompute=True).total
+    before, after = (stage_times(GPT_1T, p, ONE_PER_NODE, fabric) for p in (even, heavy))
+    assert after[0].compute.total - before[0].compute.total == pytest.approx(6 * layer)
+    assert max(after, key=lambda st: st.total) is after[0]
+    slower = estimate(GPT_1T, heavy, ONE_PER_NODE, 4).time
+    assert slower.compute_s == pytest.approx(heavy.microbatches * after[0].compute.total)
 
 
 # --- cluster files ------------------------------------------------------------------------
@@ -502,6 +558,24 @@ def test_estimate_rejects_bad_world_size_with_the_equation(capsys):
     assert estimate_main(args) == 2
     err = capsys.readouterr().err
     assert "tp(2) * pp(2) * dp(4) = 16 != nodes(3) * devices_per_node(8) = 24" in err
+
+
+def test_estimate_warns_when_a_stage_does_not_fit(capsys):
+    """GPT-3 175B without recomputation on 8-way tensor and 12-way pipeline
+    parallelism and microbatch 4 needs more than 80 GB on its first stage: the
+    estimate still prints, with the need and the capacity on stderr and in
+    the table, and fits_in_memory false in JSON."""
+    args = ("--layers 96 --hidden 12288 --heads 96 --seq 2048 --vocab 51200 --batch 1536 --microbatch 4 "
+            "--tp 8 --pp 12 --dp 8 --cluster dgx-a100 --nodes 96").split()
+    assert estimate_main(args + ["--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["fits_in_memory"] is False and out["peak_memory_bytes"] > out["memory_capacity_bytes"] == 80e9
+    need = out["peak_memory_bytes"] / 2**30
+    assert f"stage 0 needs {need:.2f} GiB per GPU, more than the 74.51 GiB a device of dgx-a100 has" in captured.err
+    assert estimate_main(args + ["--recompute", "full"]) == 0
+    captured = capsys.readouterr()
+    assert "of 74.51 GiB\n" in captured.out and not captured.err
 
 
 def test_estimate_rejects_unknown_cluster(capsys):

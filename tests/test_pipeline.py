@@ -293,7 +293,7 @@ def _best_hand_grid(layers, hidden, heads, seq, vocab, batch, *, nodes):
                                     recompute=recompute, sequence_parallel=sp, precision="bf16"), cluster, nodes)
                             except AutoparError:
                                 continue
-                            if est.memory.total <= 80e9:
+                            if est.fits_in_memory:
                                 best = min(best, est.step_time_s)
     return best
 
