@@ -346,7 +346,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
     reshards = SharedReshards(len(mesh.shape))
-    compute = comm = sync_s = 0.0
+    compute = ctx.cluster.device.step_overhead  # the runtime's fixed cost per step, then every node's
+    comm = sync_s = 0.0
     memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
               "buffers": 0.0}
     ms = mesh.shape

@@ -15,6 +15,7 @@ plan's prediction.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -42,22 +43,25 @@ def measure_step_time(source: str, mesh: str, cluster: str, nproc: int, steps: i
 
 
 CHAIN_OPS = 48
-"""Each op chain has 48 tiny ops whose arithmetic is negligible next to their
-dispatch: 48 x Linear(8, 8) (three tensor inputs each: x, weight, bias; two
-parameters each), Linear(8, 8) then 47 x tanh (one input each), and
+"""Each long op chain has 48 tiny ops whose arithmetic is negligible next to
+their dispatch: 48 x Linear(8, 8) (three tensor inputs each: x, weight, bias;
+two parameters each), Linear(8, 8) then 47 x tanh (one input each), and
 Linear(8, 8) then 47 x h - h (two inputs each). The last two run as many
-runtime calls with different input counts, which separates the two terms;
-the first is mostly parameters and their wrapping."""
+runtime calls with different input counts, which separates the per-call and
+per-input terms; the first is mostly parameters and their wrapping. The
+single-op chain (one Linear(8, 8)) has next to no calls, which separates
+the fixed cost per step from both."""
 
-OP_CHAINS = ("linear-chain", "unary-chain", "product-chain")
+OP_CHAINS = ("linear-chain", "unary-chain", "product-chain", "single-op")
 
 
-def runtime_overheads(nproc: int, cluster: str = "cpu", steps: int = 20, runs: int = 1) -> tuple[float, float, list]:
-    """(seconds per call and pass, seconds per unwrapped input and pass, the
-    runs) that autopar's runtime adds on this machine: the op chains are timed
-    through the emitted program on ``nproc`` ranks ``runs`` times each, and
-    their step time beyond the cost model (priced without these overheads)
-    is fitted by ``fit_runtime_overheads``."""
+def runtime_overheads(nproc: int, cluster: str = "cpu", steps: int = 20,
+                      runs: int = 1) -> tuple[float, float, float, list]:
+    """(seconds per call and pass, seconds per unwrapped input and pass,
+    seconds per step, the runs) that autopar's runtime adds on this machine:
+    the op chains are timed through the emitted program on ``nproc`` ranks
+    ``runs`` times each, and their step time beyond the cost model (priced
+    without these overheads) is fitted by ``fit_runtime_overheads``."""
     rows = []
     for _ in range(runs):
         for source in OP_CHAINS:
@@ -66,19 +70,24 @@ def runtime_overheads(nproc: int, cluster: str = "cpu", steps: int = 20, runs: i
     return (*fit_runtime_overheads(rows), rows)
 
 
-def fit_runtime_overheads(rows) -> tuple[float, float]:
-    """Least squares of ``excess = runtime_overhead * call passes +
-    input_overhead * input passes`` over (call passes, input passes, excess
-    seconds) rows (graph_costs.runtime_passes counts them). A term the fit
-    makes negative is dropped (0) and the other refitted alone."""
-    a = np.array([r[:2] for r in rows], float)
+def fit_runtime_overheads(rows) -> tuple[float, float, float]:
+    """(runtime_overhead, input_overhead, step_overhead): non-negative least
+    squares of ``excess = runtime_overhead * call passes + input_overhead *
+    input passes + step_overhead`` over (call passes, input passes, excess
+    seconds) rows (graph_costs.runtime_passes counts the passes). Every
+    subset of the three terms is fitted alone; the best fit whose terms are
+    all >= 0 wins, the terms it leaves out being 0."""
+    a = np.array([(r[0], r[1], 1.0) for r in rows], float)
     b = np.array([r[2] for r in rows], float)
-    per_call, per_input = np.linalg.lstsq(a, b, rcond=None)[0]
-    if per_call >= 0 and per_input >= 0:
-        return float(per_call), float(per_input)
-    col = 1 if per_call < 0 else 0  # the term that stays
-    only = max(0.0, float(a[:, col] @ b / (a[:, col] @ a[:, col])))
-    return (0.0, only) if col == 1 else (only, 0.0)
+    best, terms = None, (0.0, 0.0, 0.0)
+    for keep in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+        coef = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        residual = float(np.sum((a[:, keep] @ coef - b) ** 2))
+        if best is None or residual < best - 1e-18:
+            best, terms = residual, tuple(float(coef[keep.index(i)]) if i in keep else 0.0 for i in range(3))
+    return terms
 
 
 def _excess(source: str, nproc: int, cluster: str, steps: int) -> tuple[float, dict]:
@@ -133,6 +142,13 @@ def _product_chain():
     return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, None
 
 
+def _single_op():
+    from torch import nn
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return nn.Sequential(nn.Linear(8, 8)), (x, y), torch.nn.functional.mse_loss, None
+
+
 def _tp_chain():
     from torch import nn
     torch.manual_seed(0)
@@ -144,10 +160,12 @@ def _tp_chain():
     return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, pins
 
 
+RUNTIME_TERMS = ("runtime_overhead", "input_overhead", "step_overhead")
 CALIBRATION_CHAINS = {
-    "linear-chain": (("runtime_overhead", "input_overhead"), _linear_chain),
-    "unary-chain": (("runtime_overhead", "input_overhead"), _unary_chain),
-    "product-chain": (("runtime_overhead", "input_overhead"), _product_chain),
+    "linear-chain": (RUNTIME_TERMS, _linear_chain),
+    "unary-chain": (RUNTIME_TERMS, _unary_chain),
+    "product-chain": (RUNTIME_TERMS, _product_chain),
+    "single-op": (RUNTIME_TERMS, _single_op),
     "tp-chain": (("collective_overhead",), _tp_chain),
 }
 """source -> (the Device fields it measures, the model (with its pins)). Each

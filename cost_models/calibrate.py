@@ -20,8 +20,8 @@ squares:
 
 Last, the SPMD runtime's own costs are measured by running emitted programs
 priced with the new profile (autopar/measure.py): ``runtime_overhead`` (per
-call and pass) and ``input_overhead`` (per unwrapped input and pass), fitted
-together on three chains of tiny ops, and
+call and pass), ``input_overhead`` (per unwrapped input and pass) and
+``step_overhead`` (per step), fitted together on four chains of tiny ops, and
 ``collective_overhead`` (per collective call, Megatron MLP pairs with pinned
 sharded weights).
 
@@ -225,16 +225,18 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
                                source=source, device_name=device_name, memory=memory, known_peaks=known)
     _write(cluster, out_path)
     # The runtime's own costs are measured by running emitted programs priced
-    # with this profile less the overheads being measured: per call and per
-    # unwrapped input first (three chains without collectives), then per
-    # collective (priced with the first two).
+    # with this profile less the overheads being measured: per call, per
+    # unwrapped input and per step first (four chains without collectives),
+    # then per collective (priced with the first three).
     from autopar.measure import TP_PAIRS, collective_overhead, runtime_overheads
-    per_call, per_input, rows = runtime_overheads(nproc, cluster=out_path, runs=OVERHEAD_RUNS)
-    source += (f"; runtime_overhead, input_overhead: least squares over {OVERHEAD_RUNS} runs of the "
-               f"linear, unary and product chains of autopar.measure (excess over the cost model: "
+    per_call, per_input, per_step, rows = runtime_overheads(nproc, cluster=out_path, runs=OVERHEAD_RUNS)
+    source += (f"; runtime_overhead, input_overhead, step_overhead: non-negative least squares over "
+               f"{OVERHEAD_RUNS} runs of the linear, unary, product and single-op chains of autopar.measure "
+               f"(excess over the cost model: "
                f"{', '.join(f'{1e3 * r[2]:.2f} ms for {r[0]} call passes with {r[1]} inputs' for r in rows)})")
     cluster = dataclasses.replace(cluster, source=source, device=dataclasses.replace(
-        cluster.device, runtime_overhead=round(per_call, 7), input_overhead=round(per_input, 7)))
+        cluster.device, runtime_overhead=round(per_call, 7), input_overhead=round(per_input, 7),
+        step_overhead=round(per_step, 7)))
     _write(cluster, out_path)
     runs = [collective_overhead(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
     source += (f"; collective_overhead: mean of {OVERHEAD_RUNS} autopar.measure.collective_overhead({nproc}) runs "

@@ -93,6 +93,13 @@ class Device:
     gradients of a tensor read more than once), fitted with
     ``runtime_overhead`` on chains whose ops take one and two inputs; 0 where
     not measured."""
+    step_overhead: float = 0.0
+    """Seconds the runtime adds once per training step whatever the program
+    holds (entering and leaving the program, starting the autograd engine,
+    the optimizer's call), fitted with ``runtime_overhead`` and
+    ``input_overhead`` as the intercept over op chains of 1 and 48 ops
+    (autopar/measure.py, runtime_overheads); 0 where not measured (the GPU
+    presets)."""
     element_time: dict = field(default_factory=dict)
     """Measured seconds per element of ATen ops whose arithmetic, not memory,
     can bound them, by op name: ``{"tanh": [forward, backward], ...}``. On a
@@ -124,6 +131,7 @@ class Device:
         _positive(where, "op_latency (s)", self.op_latency, allow_zero=True)
         _positive(where, "runtime_overhead (s)", self.runtime_overhead, allow_zero=True)
         _positive(where, "input_overhead (s)", self.input_overhead, allow_zero=True)
+        _positive(where, "step_overhead (s)", self.step_overhead, allow_zero=True)
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
         if not isinstance(self.element_time, dict):
             raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "

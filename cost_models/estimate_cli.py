@@ -154,7 +154,7 @@ def calibrate_main(argv=None) -> int:
           f"(+{dev.gemm_latency * 1e6:.0f} us), memory {dev.streaming_bandwidth / 1e9:.2f} GB/s, "
           f"link {cluster.intra_node.bandwidth / 1e9:.3f} GB/s + {cluster.intra_node.latency * 1e6:.0f} us, "
           f"runtime overhead {dev.runtime_overhead * 1e3:.3f} ms per call and pass "
-          f"+ {dev.input_overhead * 1e3:.3f} ms per input, "
+          f"+ {dev.input_overhead * 1e3:.3f} ms per input + {dev.step_overhead * 1e3:.3f} ms per step, "
           f"{dev.collective_overhead * 1e3:.3f} ms per collective")
     return 0
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from autopar.cost_models.calibrate import fit_alpha_beta, fit_element_time, fit_line, profile_from_raw
 from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
@@ -166,14 +167,32 @@ def test_runtime_overhead_is_per_call_and_per_unwrapped_input():
     assert total(per_input) - total(base) == pytest.approx(inputs * 1e-3)
 
 
-def test_fit_runtime_overheads_separates_calls_from_inputs():
+def test_fit_runtime_overheads_separates_calls_inputs_and_steps():
     from autopar.measure import fit_runtime_overheads
-    a, b = 40e-6, 30e-6
-    rows = [(calls, inputs, a * calls + b * inputs) for calls, inputs in ((294, 296), (106, 108), (106, 202))]
-    assert fit_runtime_overheads(rows) == pytest.approx((a, b))
-    # a term the data make negative is dropped and the other refitted alone
-    rows = [(100, 100, 1e-3), (100, 200, 1e-3)]
-    assert fit_runtime_overheads(rows) == pytest.approx((1e-5, 0.0))
+    a, b, c = 40e-6, 30e-6, 4e-4
+    passes = ((294, 296), (106, 108), (106, 202), (7, 9))
+    rows = [(calls, inputs, a * calls + b * inputs + c) for calls, inputs in passes]
+    assert fit_runtime_overheads(rows) == pytest.approx((a, b, c))
+    # without a fixed cost the intercept comes out 0, not a small negative number
+    rows = [(calls, inputs, a * calls + b * inputs) for calls, inputs in passes]
+    assert fit_runtime_overheads(rows) == pytest.approx((a, b, 0.0), abs=1e-12)
+    # a term the data make negative is dropped and the others refitted without it
+    rows = [(100, 100, 1e-3), (100, 200, 1e-3), (10, 10, 1e-4)]
+    assert fit_runtime_overheads(rows) == pytest.approx((1e-5, 0.0, 0.0))
+
+
+def test_step_overhead_is_charged_once_per_step():
+    """The calibrated fixed cost per step adds to the predicted compute and
+    step time of a compiled plan, whatever the plan."""
+    from autopar.compiler import compile as compile_plan
+    from torch import nn
+    model, inputs = nn.Sequential(nn.Linear(8, 8)), (torch.randn(8, 8), torch.randn(8, 8))
+    cpu = get_cluster("cpu")
+    plans = [compile_plan(model, inputs, mesh="2", cluster=_with_device(cpu, step_overhead=t),
+                          loss_fn=torch.nn.functional.mse_loss) for t in (0.0, 1e-3)]
+    base, more = (p.predicted for p in plans)
+    assert more["compute_s"] - base["compute_s"] == pytest.approx(1e-3)
+    assert more["step_time_s"] - base["step_time_s"] == pytest.approx(1e-3)
 
 
 def test_measured_element_rates_bound_the_ops_they_name():
@@ -462,6 +481,7 @@ def _valid_cluster() -> dict:
     (lambda c: c.update(devices_per_node=0), r"devices_per_node must be a positive integer, got 0"),
     (lambda c: c["device"].update(collective_overhead=-1e-3), r"collective_overhead \(s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(input_overhead=float("nan")), r"input_overhead \(s\) must be a finite number >= 0"),
+    (lambda c: c["device"].update(step_overhead=-1e-3), r"step_overhead \(s\) must be a finite number >= 0, got -0.001"),
     (lambda c: c["device"].update(element_time={"tanh": 4e-9}), r"element_time\['tanh'\] must be \[forward seconds, "
                                                                  r"backward seconds\] per element, got 4e-09"),
     (lambda c: c["device"].update(element_time={"tanh": [4e-9, -1]}), r"element_time\['tanh'\]\[1\] \(s\) must be"),
