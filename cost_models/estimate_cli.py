@@ -61,7 +61,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     hw = ap.add_argument_group("hardware")
     hw.add_argument("--cluster", required=True, metavar="NAME",
                     help=f"preset ({', '.join(cluster_names())}) or cluster/profile JSON file")
-    hw.add_argument("--nodes", type=_positive_int, required=True)
+    hw.add_argument("--nodes", type=_positive_int,
+                    help="nodes (default: as many as tp * pp * dp GPUs fill; part of one node is fine)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 

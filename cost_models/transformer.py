@@ -283,10 +283,11 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
     dpn = cluster.devices_per_node
     if cluster.nodes is not None and nodes > cluster.nodes:
         raise EstimateError(f"cluster {cluster.name!r} has {cluster.nodes} node(s); {nodes} requested")
-    if plan.world != nodes * dpn:
+    if plan.world != nodes * dpn and not (nodes == 1 and plan.world < dpn):
         raise EstimateError(
             f"tp({plan.tp}) * pp({plan.pp}) * dp({plan.dp}) = {plan.world} != "
-            f"nodes({nodes}) * devices_per_node({dpn}) = {nodes * dpn} on cluster {cluster.name!r}")
+            f"nodes({nodes}) * devices_per_node({dpn}) = {nodes * dpn} on cluster {cluster.name!r} "
+            f"(a plan uses whole nodes, or part of one)")
     rules = [
         (model.heads % plan.tp == 0, f"heads ({model.heads}) must be divisible by tp ({plan.tp})"),
         (model.n_kv_heads % plan.tp == 0, f"kv-heads ({model.n_kv_heads}) must be divisible by tp ({plan.tp})"),
@@ -846,8 +847,20 @@ def peak_memory(model: TransformerConfig, plan: TrainingPlan) -> MemoryBreakdown
 
 # --- the estimate -----------------------------------------------------------------------
 
-def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nodes: int) -> StepEstimate:
-    """Predicted step time, throughput and memory of ``plan`` for ``model`` on ``nodes`` nodes of ``cluster``."""
+def nodes_for(plan: TrainingPlan, cluster: Cluster) -> int:
+    """Nodes the plan's tp * pp * dp GPUs fill: part of one, or whole nodes."""
+    whole, part = divmod(plan.world, cluster.devices_per_node)
+    if whole and part:
+        raise EstimateError(
+            f"tp({plan.tp}) * pp({plan.pp}) * dp({plan.dp}) = {plan.world} GPUs do not fill whole nodes of "
+            f"devices_per_node({cluster.devices_per_node}) on cluster {cluster.name!r}, nor fit in one")
+    return max(1, whole)
+
+
+def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nodes: int | None = None) -> StepEstimate:
+    """Predicted step time, throughput and memory of ``plan`` for ``model`` on
+    ``nodes`` nodes of ``cluster`` (default: as many as its GPUs fill)."""
+    nodes = nodes_for(plan, cluster) if nodes is None else nodes
     check_plan(model, plan, cluster, nodes)
     fabric = Fabric.make(plan, cluster)
     stages = stage_times(model, plan, cluster, fabric)

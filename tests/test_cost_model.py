@@ -598,6 +598,33 @@ def test_estimate_warns_when_a_stage_does_not_fit(capsys):
     assert "of 74.51 GiB\n" in captured.out and not captured.err
 
 
+def test_estimate_on_part_of_a_node_and_nodes_by_default(capsys):
+    """Four GPUs of an eight-GPU node: tensor parallelism stays on NVLink;
+    --nodes defaults to what the GPUs fill; GPUs that neither fill whole
+    nodes nor fit in one are refused with the count."""
+    small = ("--layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 --batch 64 --microbatch 2 "
+             "--tp 4 --pp 1 --dp 1 --cluster dgx-a100 --json").split()
+    assert estimate_main(small) == 0
+    part = json.loads(capsys.readouterr().out)
+    assert part["world_size"] == 4
+    assert estimate_main(small + ["--nodes", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == part
+    # the same tp = 4 across four one-GPU nodes pays InfiniBand instead
+    model = TransformerConfig(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
+    plan = TrainingPlan(batch=64, microbatch=2, tp=4)
+    spread = estimate(model, plan, ONE_PER_NODE)
+    assert spread.time.tp_comm_s > 5 * part["time"]["tp_comm_s"]
+    assert estimate_main(ESTIMATE_ARGS[:-2] + ["--json"]) == 0  # 16 GPUs: 2 nodes without saying so
+    assert json.loads(capsys.readouterr().out) == json.loads(
+        (estimate_main(ESTIMATE_ARGS + ["--json"]), capsys.readouterr().out)[1])
+    odd = small[:]
+    odd[odd.index("--dp") + 1] = "3"  # 12 GPUs: one node and a half
+    assert estimate_main(odd) == 2
+    assert "= 12 GPUs do not fill whole nodes of devices_per_node(8)" in capsys.readouterr().err
+    assert estimate_main(small + ["--nodes", "2"]) == 2
+    assert "(a plan uses whole nodes, or part of one)" in capsys.readouterr().err
+
+
 def test_estimate_rejects_unknown_cluster(capsys):
     args = list(ESTIMATE_ARGS)
     args[args.index("--cluster") + 1] = "nope"
