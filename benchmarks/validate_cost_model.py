@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_models.cluster import Cluster, get_cluster
-from autopar.cost_models.transformer import (AttentionKernel, Precision, Recompute, StepEstimate,
-                                             TrainingPlan, TransformerConfig, estimate)
+from autopar.cost_models.transformer import StepEstimate, estimate
+from autopar.cost_models.transformer_plan import AttentionKernel, Precision, Recompute, TrainingPlan, TransformerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "validation.md")

@@ -10,8 +10,8 @@ import json
 import sys
 
 from autopar.cost_models.cluster import cluster_names, get_cluster
-from autopar.cost_models.transformer import (AttentionKernel, Precision, Recompute, StepEstimate, TrainingPlan,
-                                             TransformerConfig, estimate)
+from autopar.cost_models.transformer import StepEstimate, estimate
+from autopar.cost_models.transformer_plan import AttentionKernel, Precision, Recompute, TrainingPlan, TransformerConfig
 from autopar.errors import AutoparError
 
 

@@ -16,11 +16,11 @@ from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
 from autopar.cost_models.collectives import Algorithm, Collective, axis_links, collective_time, ring_bytes
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.estimate_cli import estimate_main
-from autopar.cost_models.transformer import (AttentionKernel, EstimateError, Fabric, Precision, Recompute,
-                                             TrainingPlan, TransformerConfig, estimate, kernel_times,
-                                             layer_activation_bytes, layer_kernels, model_state_bytes,
-                                             stage_activation_bytes, stage_layers, stage_params, stage_times,
+from autopar.cost_models.transformer import (Fabric, estimate, kernel_times, layer_activation_bytes, layer_kernels,
+                                             model_state_bytes, stage_activation_bytes, stage_params, stage_times,
                                              step_flops)
+from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Precision, Recompute, TrainingPlan,
+                                                  TransformerConfig, stage_layers)
 from autopar.errors import ClusterError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -273,7 +273,8 @@ def _best_hand_grid(layers, hidden, heads, seq, vocab, batch, *, nodes):
     virtual stages plan of ``autopar estimate`` on dgx-a100 (no distributed
     optimizer) that fits in 80 GB per GPU."""
     from autopar.cost_models.cluster import get_cluster
-    from autopar.cost_models.transformer import TrainingPlan, TransformerConfig, estimate
+    from autopar.cost_models.transformer import estimate
+    from autopar.cost_models.transformer_plan import TrainingPlan, TransformerConfig
     from autopar.errors import AutoparError
     model = TransformerConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
     cluster, world = get_cluster("dgx-a100"), nodes * 8
