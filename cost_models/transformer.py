@@ -181,13 +181,17 @@ class Kernel:
     """Runs on the GEMM units (at the device's GEMM efficiency)."""
     attention_core: bool = False
     """Part of the attention core (what selective recomputation reruns)."""
+    shape: tuple = ()
+    """A GEMM's (batch, m, k, n); FlashAttention's (sequences, query heads,
+    key/value heads, sequence length, head dim): what a benchmark runs to time
+    the kernel (benchmarks/kernel_times.py)."""
 
 
 def _gemm(name: str, m: float, k: float, n: float, e: int, batch: float = 1, attention_core: bool = False) -> Kernel:
     """(m x k) @ (k x n); the backward is two GEMMs of the same size (input and weight gradients)."""
     flops = 2.0 * batch * m * k * n
     nbytes = float(e) * batch * (m * k + k * n + m * n)
-    return Kernel(name, flops, nbytes, 2 * flops, 2 * nbytes, True, attention_core)
+    return Kernel(name, flops, nbytes, 2 * flops, 2 * nbytes, True, attention_core, (batch, m, k, n))
 
 
 def _stream(name: str, fwd_bytes: float, bwd_bytes: float, attention_core: bool = False) -> Kernel:
@@ -235,7 +239,8 @@ def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
     if plan.attention is AttentionKernel.FLASH:
         flops = 4.0 * heads * s * s * d * FLASH_CAUSAL_WORK
         nbytes = float(e) * plan.microbatch * s * (2 * model.hidden + 2 * model.kv_hidden) / plan.tp
-        return [Kernel("flash-attention", flops, nbytes, FLASH_BACKWARD_WORK * flops, 2 * nbytes, True, True)]
+        shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d)
+        return [Kernel("flash-attention", flops, nbytes, FLASH_BACKWARD_WORK * flops, 2 * nbytes, True, True, shape)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
     mask = 1 if model.dropout else 0

@@ -28,9 +28,9 @@ A100 = get_cluster("dgx-a100")
 GPT_1T = TransformerConfig(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
 
 
-def _validation_module():
-    path = os.path.join(REPO, "benchmarks", "validate_cost_model.py")
-    spec = importlib.util.spec_from_file_location("validate_cost_model", path)
+def _validation_module(name: str = "validate_cost_model"):
+    path = os.path.join(REPO, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -407,6 +407,41 @@ def test_out_of_sample_published_runs():
     assert sum(errors) / len(errors) <= 0.10 and max(errors) <= 0.20
     for r in results:
         assert r.estimate.peak_memory_bytes <= A100.device.memory, r.row
+
+
+def test_kernel_times_runs_each_layer_matmul_at_its_shape_on_the_cpu(tmp_path):
+    """benchmarks/kernel_times.py, the GPU item's prepared script, on the
+    CPU: every GEMM and the attention of a layer run at the shapes the cost
+    model prices (GQA heads and tensor parallelism included), each next to
+    its op_time; its section replaces section 3 of the validation document,
+    which validate_cost_model keeps when it rewrites the rest."""
+    kt = _validation_module("kernel_times")
+    cpu = get_cluster("cpu")
+    table = kt.rows(kt.CPU_SHAPES, cpu, torch.device("cpu"), repeats=1)
+    names = ["qkv", "flash-attention", "attention-out", "mlp-in", "mlp-out"]
+    assert [r["kernel"] for r in table] == names * 2
+    llama = {r["kernel"]: r for r in table[5:]}
+    assert llama["qkv"]["dims"] == (1, 128, 256, 256)  # (h + 2 kv_hidden) / t = (256 + 256) / 2
+    assert llama["flash-attention"]["dims"] == (1, 2, 1, 128, 64)  # 4 / 2 query heads, 2 / 2 key/value heads
+    assert llama["mlp-in"]["dims"] == (1, 128, 256, 512)  # gate and up: 2 * 512 / 2
+    for r in table:
+        assert all(t > 0 for t in r["measured"]) and all(t > 0 for t in r["predicted"])
+    qkv = table[0]
+    flops = 2.0 * 256 * 256 * 768
+    assert qkv["predicted"][0] == pytest.approx(op_time(flops, 4.0 * (256 * 256 + 256 * 768 + 256 * 768), cpu.device,
+                                                        "fp32", matmul=True))
+    doc = tmp_path / "validation.md"
+    doc.write_text("# head\n\n## 2. Measured\n\ntext\n")
+    kt.write_section(kt.report(table, cpu, "the CPU", 1, gpu=False), str(doc))
+    kt.write_section(kt.report(table[:1], cpu, "the CPU", 1, gpu=False), str(doc))  # replaces, not appends
+    text = doc.read_text()
+    assert text.startswith("# head\n\n## 2. Measured\n\ntext\n\n## 3. Kernel times on a GPU")
+    assert text.count("## 3.") == 1 and text.count("| qkv |") == 1 and "flash-attention" not in text
+    validation = _validation_module()
+    assert validation.KERNEL_SECTION == kt.SECTION
+    rewritten = validation.with_kernel_section("# new report\n", text)
+    assert rewritten.startswith("# new report\n\n## 3. Kernel times") and rewritten.count("| qkv |") == 1
+    assert validation.with_kernel_section("# new\n", "# old\n").endswith(validation.KERNEL_PLACEHOLDER)
 
 
 # --- plan validation ----------------------------------------------------------------------
