@@ -43,7 +43,8 @@ import tempfile
 import numpy as np
 import torch
 
-from autopar.cost_models.cluster import A100_80GB, H100_80GB, H200, V100_32GB, Cluster, Device, Link
+from autopar.cost_models.cluster import (A100_80GB, H100_80GB, H200, V100_32GB, Cluster, Device, Link,
+                                         cluster_names, get_cluster)
 from autopar.cost_models.collectives import Collective, ring_bytes
 from autopar.errors import ClusterError
 
@@ -146,9 +147,11 @@ def fit_element_time(rows: list[dict]) -> dict:
 
 
 def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
-                     known_peaks: dict | None) -> Cluster:
+                     known_peaks: dict | None, links: Cluster | None = None) -> Cluster:
     """Fit the cost model's constants to raw timings (see module docstring).
-    ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known."""
+    ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known.
+    ``links``: where the node size and the links come from when one rank
+    measured no collectives (the raw timings then list none)."""
     n = raw["world_size"]
     gemm = raw["gemm"]
     gemm_latency, inv_rate = fit_line([g["flops"] for g in gemm], [g["seconds"] for g in gemm])
@@ -161,7 +164,12 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
     copy = raw["copy"]
     inv_bw = fit_proportional([c["bytes_moved"] for c in copy], [c["seconds"] for c in copy])
     op_latency = raw["op_latency"]
-    alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
+    if not raw["collectives"]:
+        if links is None:
+            raise ClusterError("one rank timed no collectives: give the cluster to take the links from")
+        alpha, bandwidth = links.intra_node.latency, links.intra_node.bandwidth
+    else:
+        alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
 
     element_time = fit_element_time(raw.get("elements", []))
     device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
@@ -184,19 +192,38 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
                 [c["seconds"] for c in raw["collectives"]]),
         },
     )
+    if not raw["collectives"]:  # one rank: the node and its links as the given cluster has them
+        return Cluster(name, dataclasses.replace(device, collective_overhead=links.device.collective_overhead),
+                       links.devices_per_node, links.intra_node, links.inter_node, nodes=None,
+                       oversubscription=links.oversubscription, backend=raw["backend"], source=source,
+                       overlap_grad_sync=raw["backend"] == "nccl", calibration=calibration)
     return Cluster(name, device, n, link, link, nodes=1, backend=raw["backend"], source=source,
                    overlap_grad_sync=raw["backend"] == "nccl",
                    calibration=calibration)
 
 
-def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None) -> Cluster:
-    """Measure this machine with ``nproc`` local ranks and write a profile to ``out_path``."""
+PRESET_OF_GPU = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "h200", "V100": "p3.16xlarge"}
+"""The preset whose node a GPU (by name) is taken to sit in when one rank cannot time collectives."""
+
+
+def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None,
+              links_from: str | None = None) -> Cluster:
+    """Measure this machine with ``nproc`` local ranks and write a profile to
+    ``out_path``. With one rank no collective can be timed: the node size,
+    the links and the per-collective overhead come from ``links_from`` (a
+    preset or profile; for a known GPU its preset by default)."""
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise ClusterError("backend nccl needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
+    links = None
     if nproc < 2:
-        raise ClusterError(f"calibrating collectives needs at least 2 ranks, got nproc={nproc}")
+        gpu = torch.cuda.get_device_name(0) if backend == "nccl" else ""
+        links_from = links_from or next((p for k, p in PRESET_OF_GPU.items() if k in gpu), None)
+        if links_from is None:
+            raise ClusterError(f"with nproc={nproc} no collective can be timed: give --links-from PRESET (one of "
+                               f"{cluster_names()}, or a profile) to take the links from, or --nproc 2 or more")
+        links = get_cluster(links_from)
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ClusterError(f"nproc={nproc} NCCL ranks need {nproc} GPUs; this machine has "
                            f"{torch.cuda.device_count()}")
@@ -214,15 +241,18 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     today = datetime.date.today().isoformat()
     peak_note = ("peak = datasheet bf16 peak" if known else
                  "peak_flops = the measured asymptotic GEMM rate of one rank (no datasheet figure)")
+    sweeps = (f"all_reduce + all_gather sweeps {raw['collectives'][0]['bytes']:.0f} B.."
+              f"{raw['collectives'][-1]['bytes'] / 2**20:.0f} MiB" if raw["collectives"] else
+              f"one rank, no collectives: devices_per_node, links and collective_overhead from {links.name!r}")
     source = (f"autopar calibrate --nproc {nproc} --backend {backend}, {today}, on {machine}, "
               f"with torch {torch.__version__}: {raw['dtype']} GEMMs "
               f"{'with 1 torch thread per rank ' if backend == 'gloo' else ''}and copies on all ranks at once, "
-              f"all_reduce + all_gather sweeps {raw['collectives'][0]['bytes']:.0f} B.."
-              f"{raw['collectives'][-1]['bytes'] / 2**20:.0f} MiB; least-squares fits; {peak_note}; "
+              f"{sweeps}; least-squares fits; {peak_note}; "
               f"memory = {'device memory' if backend == 'nccl' else 'host memory / ranks'}; "
               f"1-min load average before: {load_before:.2f}")
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
-                               source=source, device_name=device_name, memory=memory, known_peaks=known)
+                               source=source, device_name=device_name, memory=memory, known_peaks=known,
+                               links=links)
     _write(cluster, out_path)
     # The runtime's own costs are measured by running emitted programs priced
     # with this profile less the overheads being measured: per call, per
@@ -238,6 +268,8 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
         cluster.device, runtime_overhead=round(per_call, 7), input_overhead=round(per_input, 7),
         step_overhead=round(per_step, 7)))
     _write(cluster, out_path)
+    if nproc < 2:  # nothing to meet: collective_overhead stays as the links' cluster has it
+        return cluster
     runs = [collective_overhead(nproc, cluster=out_path) for _ in range(OVERHEAD_RUNS)]
     source += (f"; collective_overhead: mean of {OVERHEAD_RUNS} autopar.measure.collective_overhead({nproc}) runs "
                f"({', '.join(f'{1e3 * r:.3f}' for r in runs)} ms), {TP_PAIRS} Megatron MLP pairs with pinned sharded weights through the "

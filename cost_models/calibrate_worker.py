@@ -186,7 +186,7 @@ def main(argv=None) -> None:
         "copy": _gather_median(measure_copies(device, copy_sizes)),
         "op_latency": _gather_median([{"seconds": measure_op_latency(device)}])[0]["seconds"],
         "elements": _gather_median(measure_elements(device, dtype, element_sizes), ("forward_s", "backward_s")),
-        "collectives": measure_collectives(device, COLLECTIVE_BYTES),
+        "collectives": measure_collectives(device, COLLECTIVE_BYTES) if dist.get_world_size() > 1 else [],
     }
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -137,6 +137,9 @@ def calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=_positive_int, default=4, help="local ranks (default 4)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo")
     ap.add_argument("--name", help="cluster name in the profile (default: 'cpu', or the GPU name)")
+    ap.add_argument("--links-from", metavar="CLUSTER",
+                    help="with --nproc 1 (no collectives to time): the preset or profile whose node size and links "
+                         "the profile takes (default for a known GPU: its preset)")
     return ap
 
 
@@ -145,12 +148,13 @@ def calibrate_main(argv=None) -> int:
 
     args = calibrate_parser().parse_args(argv)
     try:
-        cluster = calibrate(args.output, nproc=args.nproc, backend=args.backend, name=args.name)
+        cluster = calibrate(args.output, nproc=args.nproc, backend=args.backend, name=args.name,
+                            links_from=args.links_from)
     except AutoparError as e:
         print(f"autopar calibrate: error: {e}", file=sys.stderr)
         return 2
     dev = cluster.device
-    print(f"wrote {args.output}: {cluster.name}, {cluster.devices_per_node} ranks, "
+    print(f"wrote {args.output}: {cluster.name}, {args.nproc} rank(s) measured, "
           f"GEMM {max(dev.peak_flops.values()) * dev.gemm_efficiency / 1e9:.1f} GFLOP/s "
           f"(+{dev.gemm_latency * 1e6:.0f} us), memory {dev.streaming_bandwidth / 1e9:.2f} GB/s, "
           f"link {cluster.intra_node.bandwidth / 1e9:.3f} GB/s + {cluster.intra_node.latency * 1e6:.0f} us, "

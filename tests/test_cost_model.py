@@ -580,6 +580,28 @@ def test_profile_from_raw_is_a_valid_cluster():
     assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
 
 
+def test_one_rank_profile_takes_node_and_links_from_a_cluster(capsys):
+    """One GPU (or one CPU rank) times GEMMs, copies and element-wise ops but
+    no collective: the profile keeps its own compute and takes the node
+    size, the links and the per-collective cost from the cluster named."""
+    raw = {"world_size": 1, "backend": "nccl", "dtype": "bfloat16",
+           "gemm": [{"flops": f, "seconds": 4e-6 + f / 700e12} for f in (1e9, 1e11, 1e12)],
+           "copy": [{"bytes_moved": b, "seconds": b / 4e12} for b in (2e9, 8e9)],
+           "op_latency": 3e-6, "elements": [], "collectives": []}
+    h200 = get_cluster("h200")
+    cluster = profile_from_raw(raw, name="h200-one", source="test", device_name="NVIDIA H200", memory=141e9,
+                               known_peaks=dict(h200.device.peak_flops), links=h200)
+    assert cluster.devices_per_node == 8 and cluster.nodes is None
+    assert (cluster.intra_node, cluster.inter_node) == (h200.intra_node, h200.inter_node)
+    assert cluster.device.gemm_efficiency == pytest.approx(700e12 / 989e12)
+    assert cluster.device.memory_bandwidth == pytest.approx(4e12) and cluster.backend == "nccl"
+    with pytest.raises(ClusterError, match="one rank timed no collectives"):
+        profile_from_raw(raw, name="x", source="test", device_name="x", memory=1e9, known_peaks=None)
+    from autopar.cost_models.estimate_cli import calibrate_main
+    assert calibrate_main(["-o", "unused.json", "--nproc", "1", "--backend", "gloo"]) == 2
+    assert "with nproc=1 no collective can be timed: give --links-from PRESET" in capsys.readouterr().err
+
+
 # --- CLI --------------------------------------------------------------------------------------
 
 ESTIMATE_ARGS = ("--layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 --batch 64 --microbatch 2 "
