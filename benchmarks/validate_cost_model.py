@@ -455,10 +455,11 @@ NOISE = (f"Each launch's step time is the median of {MEASURED_WINDOWS} windows o
 KERNEL_SECTION = "## 3. Kernel times on a GPU"
 """Section 3, which benchmarks/kernel_times.py writes on a GPU (its SECTION)."""
 KERNEL_PLACEHOLDER = (
-    f"{KERNEL_SECTION}\n\nNot measured yet: no GPU has been at hand. On one, `python benchmarks/kernel_times.py "
-    "--write` times the GEMMs and FlashAttention of transformer layers (GPT-3 175B and Llama 3 70B at t = 8, "
-    "Llama 3 8B and a 1.3B GPT at t = 1) forward and backward and puts them here next to the cost model's "
-    "prediction; `autopar calibrate` measures the GPU's own GEMM curve and NCCL collectives first.\n")
+    f"{KERNEL_SECTION}\n\nNot measured yet: no GPU has been at hand. On one, `bash benchmarks/gpu_check.sh OUT` "
+    "calibrates the GPU (`autopar calibrate`: its GEMM curve, bandwidth and NCCL collectives), then "
+    "`benchmarks/kernel_times.py --write` times the GEMMs and FlashAttention of transformer layers (GPT-3 175B "
+    "and Llama 3 70B at t = 8, Llama 3 8B and a 1.3B GPT at t = 1) forward and backward and puts them here "
+    "next to the cost model's prediction.\n")
 
 
 def with_kernel_section(text: str, old: str) -> str:
