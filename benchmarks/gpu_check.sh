@@ -14,6 +14,16 @@
 #   3. the same kernels against the profile just calibrated
 #      -> OUTDIR/kernel_times_profile.md.
 # Copy OUTDIR/validation.md over docs/validation.md to keep the section.
+#
+# On this workplace's lent H200 (Python 3.12, torch with CUDA, no ortools),
+# carry ortools and the two packages it needs that the image lacks (29 MB):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl ortools==9.15.6755 immutabledict 'protobuf>=6.33.1,<6.34'
+# and run there (carry: .whl), with a timeout that leaves time to rerun:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+#       && PYTHONPATH=/tmp/site bash benchmarks/gpu_check.sh $OUT
 set -euo pipefail
 out=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
 mkdir -p "$out"
