@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from autopar.cost_models.calibrate import PRESET_OF_GPU
 from autopar.cost_models.cluster import Cluster, get_cluster
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.transformer import Kernel, layer_kernels
@@ -51,9 +52,6 @@ CPU_SHAPES = (
      TrainingPlan(batch=1, microbatch=1, tp=2, precision="fp32")),
 )
 """The same kernels at sizes a CPU runs in moments (fp32), for tests."""
-
-PRESET_OF_GPU = {"H200": "h200", "H100": "dgx-h100", "A100": "dgx-a100", "V100": "p3.16xlarge"}
-"""Cluster preset whose device a GPU name (torch.cuda.get_device_name) matches."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
