@@ -197,10 +197,6 @@ class OtherRun:
     plan: TrainingPlan
     cluster: Cluster
 
-    @property
-    def gpus(self) -> int:
-        return self.plan.world
-
 
 A100 = get_cluster("dgx-a100")
 JEAN_ZAY = dataclasses.replace(
