@@ -84,12 +84,24 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
 
 
+def _stage_layers(layers: tuple) -> str:
+    """(7, 8, 8, 8, 7) -> '7, 8 x 3, 7'."""
+    runs = []
+    for n in layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ", ".join(f"{n} x {k}" if k > 1 else str(n) for n, k in runs)
+
+
 def format_estimate(est: StepEstimate, cluster: str) -> str:
     t, m = est.time, est.memory
     step = est.step_time_s
     rows = [
         ("cluster", f"{cluster}, {est.world_size} GPUs, {est.microbatches} microbatches per step"),
         ("parameters", f"{est.parameters / 1e9:.2f} B"),
+        *([("layers per stage", _stage_layers(est.stage_layers))] if len(set(est.stage_layers)) > 1 else []),
         ("step time", _seconds(step)),
         ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f} model, {est.hardware_tflops_per_gpu:.1f} with recomputation"),
         ("MFU", f"{est.mfu:.1%}"),

@@ -123,6 +123,8 @@ class StepEstimate:
     """GPUs."""
     microbatches: int
     """Microbatches per pipeline per step."""
+    stage_layers: tuple
+    """Transformer layers on each pipeline stage."""
     parameters: int
     """Model parameters."""
     memory_capacity_bytes: float
@@ -614,6 +616,7 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
         memory=peak_memory(model, plan),
         world_size=n,
         microbatches=m,
+        stage_layers=stage_layers(model, plan),
         parameters=model.parameters(),
         memory_capacity_bytes=cluster.device.memory,
     )

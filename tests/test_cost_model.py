@@ -503,6 +503,9 @@ def test_uneven_stages_pin_the_first_and_last_and_the_slowest_sets_the_pace():
     even = TrainingPlan(batch=64, microbatch=1, pp=4)
     pinned = dataclasses.replace(even, first_stage_layers=32, last_stage_layers=32)
     assert estimate(GPT_1T, pinned, ONE_PER_NODE, 4) == estimate(GPT_1T, even, ONE_PER_NODE, 4)
+    assert estimate(GPT_1T, even, ONE_PER_NODE, 4).stage_layers == (32, 32, 32, 32)
+    from autopar.cost_models.estimate_cli import _stage_layers
+    assert _stage_layers(stage_layers(llama, plan)) == "7, 8 x 14, 7" and _stage_layers((5, 6, 6)) == "5, 6 x 2"
 
     heavy = dataclasses.replace(even, first_stage_layers=38, last_stage_layers=30)  # 30 left for the other two
     assert stage_layers(GPT_1T, heavy) == (38, 30, 30, 30)
