@@ -215,14 +215,20 @@ def main(argv=None) -> None:
         opt.step()
         opt.zero_grad()
 
+    def sync():  # on a GPU the steps' kernels run behind the host: wait for them at a window's ends
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     for _ in range(args.warmup):
         step()
     times = []
     for _ in range(args.windows):
+        sync()
         dist.barrier()
         t = time.perf_counter()
         for _ in range(args.steps):
             step()
+        sync()
         elapsed = torch.tensor([(time.perf_counter() - t) / args.steps], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
