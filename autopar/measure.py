@@ -229,7 +229,8 @@ def main(argv=None) -> None:
         for _ in range(args.steps):
             step()
         sync()
-        elapsed = torch.tensor([(time.perf_counter() - t) / args.steps], dtype=torch.float64)
+        elapsed = torch.tensor([(time.perf_counter() - t) / args.steps], dtype=torch.float64,
+                               device="cuda" if torch.cuda.is_available() else "cpu")  # where the backend reduces
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
     result = {"source": args.source, "mesh": args.mesh, "cluster": args.cluster,
