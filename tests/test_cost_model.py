@@ -702,6 +702,34 @@ def test_estimate_on_part_of_a_node_and_nodes_by_default(capsys):
     assert "(a plan uses whole nodes, or part of one)" in capsys.readouterr().err
 
 
+def _doc_commands(path: str, prefix: str) -> list[tuple[str, list[str]]]:
+    """(command, the output lines shown under it) for each ``$ prefix ...``
+    line of the console blocks in ``path``."""
+    out, current = [], None
+    for line in open(path).read().splitlines():
+        if line.startswith("```"):
+            current = None
+        elif line.startswith("$ "):
+            current = (line[2:], []) if line[2:].startswith(prefix) else None
+            if current:
+                out.append(current)
+        elif current is not None:
+            current[1].append(line.rstrip())
+    return out
+
+
+def test_estimate_examples_in_the_docs_are_what_it_prints(capsys):
+    """Every `autopar estimate` example of docs/cli.md, run again, prints
+    exactly the lines the page shows (stderr included, for the errors)."""
+    examples = _doc_commands(os.path.join(REPO, "docs", "cli.md"), "autopar estimate ")
+    assert len(examples) >= 3
+    for command, shown in examples:
+        estimate_main(command.split()[2:])
+        captured = capsys.readouterr()
+        printed = [line.rstrip() for line in (captured.err + captured.out).splitlines()]
+        assert printed == shown, command
+
+
 def test_estimate_rejects_unknown_cluster(capsys):
     args = list(ESTIMATE_ARGS)
     args[args.index("--cluster") + 1] = "nope"
