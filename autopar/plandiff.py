@@ -248,7 +248,7 @@ def format_diff(d: dict, *, all_rows: bool = False, labels: tuple = ("A", "B"), 
                 for x in d["parameters"]]
         head = ("parameter", la, lb, f"{la} local", f"{lb} local", "moved")
     else:
-        rows = [(c["class"] + (f" (x{c['count']})" if c["count"] > 1 else ""), c["a"], c["b"],
+        rows = [(c["class"] + f" (x{c['count']})" if c["count"] > 1 else c["fqns"][0], c["a"], c["b"],
                  "yes" if c["layout_changed"] else "")
                 for c in sorted(d["parameter_classes"], key=lambda c: not c["layout_changed"])]
         head = ("parameter (per layer class; --all for each)", la, lb, "moved")

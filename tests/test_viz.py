@@ -476,11 +476,11 @@ def test_diff_finds_a_moved_parameter_and_prices_it(mlp_plans):
     assert fqn in [p["fqn"] for p in moved]
     assert d["predicted"]["step_time_s"]["delta"] >= 0  # the solver's own choice was no worse
     assert sum(s["delta_s"] for s in d["sources"]) == pytest.approx(d["predicted"]["step_time_s"]["delta"], abs=1e-9)
-    assert fqn in format_diff(d) or layer_placeholder(fqn) in format_diff(d)
-
-
-def layer_placeholder(fqn: str) -> str:
-    return ".".join("*" if s.isdigit() else s for s in fqn.split("."))
+    text = format_diff(d)
+    for c in d["parameter_classes"]:  # a class of one is named by its parameter, not as if every layer moved
+        label = c["fqns"][0] if c["count"] == 1 else f"{c['class']} (x{c['count']})"
+        assert f"\n  {label} " in text, label
+    assert any(fqn in c["fqns"] for c in d["parameter_classes"] if c["layout_changed"])
 
 
 def test_diff_of_a_plan_with_itself_is_empty(mlp_plans, tmp_path, capsys):
