@@ -90,6 +90,10 @@ class Explanation:
     consumers: list  # [(name, planned spec it takes this node's output in)]
     candidates: list  # list[Candidate], cheapest first, the chosen one first among equals
     memory_budget_bytes: float
+    grad_sync: tuple | None = None
+    """For a parameter: (seconds of all parameter-gradient syncs of the step,
+    seconds of them left exposed after backward, whether the cluster
+    overlaps them with backward), from the plan's prediction."""
 
     @property
     def chosen(self) -> Candidate:
@@ -262,7 +266,11 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     peak = plan.predicted.get("peak_memory_bytes", 0.0)
     for c in candidates:
         c.over_budget = bool(budget) and peak - chosen_memory + c.memory_bytes > budget
-    return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget)
+    pred = plan.predicted
+    sync = (pred.get("grad_sync_s", 0.0), pred.get("grad_sync_exposed_s", 0.0),
+            bool((plan.cluster or {}).get("overlap_grad_sync", True))) if fqn else None
+    return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget,
+                       sync)
 
 
 def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, shared_with: list,
@@ -310,6 +318,16 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
         out.append(f"  {t}")
     if not ch.transfers:
         out.append("  no collectives on its edges")
+    if e.grad_sync and any(t.phase == "backward" and t.direction == "out" for t in ch.transfers):
+        total, exposed, overlap = e.grad_sync
+        if not overlap:
+            out.append(f"  gradient sync: after backward (this cluster does not overlap them); the step's "
+                       f"{fmt_s(total)} of them all exposed")
+        else:
+            left = (f"{fmt_s(exposed)} exposed (the first layers' syncs, made last, have the least backward "
+                    "left to hide under)") if exposed else "all hidden"
+            out.append(f"  gradient sync: under the backward still to come; the step's {fmt_s(total)} of them "
+                       f"{left}")
     if nxt is None:
         out.append("it is the only candidate")
         return "\n".join(out)

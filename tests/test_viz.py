@@ -28,6 +28,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.cost_models.graph_costs import kept_outputs
 from autopar.explain import capture_plan_model, explain, explain_main, explain_node
 from autopar.plan import Plan
+from autopar.report import fmt_s
 from autopar.plandiff import diff_main, diff_plans, format_diff, layout
 from autopar.runtime import load_factory
 from autopar.viz import render_html, viz_main
@@ -509,6 +510,23 @@ def test_explain_lists_candidates_cheapest_first_with_the_chosen_marked(mlp_plan
         assert e.chosen.strategy == plan.node(e.node).strategy
     text = explain(plan, "layers.0.weight")
     assert "* " in text and "next best" in text or "only candidate" in text
+
+
+def test_explain_says_where_a_parameters_gradient_sync_runs(gpt_plan):
+    """A parameter whose gradient is reduced gets a line with the step's
+    gradient-sync total and how much of it the plan leaves exposed; on a
+    cluster that does not overlap them (gloo CPU ranks), that they wait for
+    backward's end."""
+    synced = next(c["tensor"] for c in gpt_plan.collectives if c["gradient_sync"])
+    pred = gpt_plan.predicted
+    text = explain(gpt_plan, synced)
+    total, exposed = fmt_s(pred["grad_sync_s"]), pred["grad_sync_exposed_s"]
+    assert f"gradient sync: under the backward still to come; the step's {total} of them " in text
+    assert ("all hidden" in text) == (exposed == 0)
+    plain = Plan.from_json(dict(copy.deepcopy(gpt_plan.to_json()),
+                                cluster=dict(gpt_plan.cluster, overlap_grad_sync=False)))
+    assert "gradient sync: after backward (this cluster does not overlap them)" in explain(plain, synced)
+    assert "gradient sync:" not in explain(gpt_plan, "linear")
 
 
 def test_explain_prices_the_chosen_strategy_as_the_plan_does(gpt_plan):
