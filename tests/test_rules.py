@@ -1,5 +1,6 @@
-"""Sharding rules by table, every registered rule checked for exactness on
-simulated ranks, and every example model captured without an op that lacks a rule.
+"""Sharding rules by table, and every registered rule checked for exactness on
+simulated ranks (tests/test_examples.py: every example model has a rule for
+each of its ops).
 
 The exactness check takes each strategy of a rule on a 1-D mesh of 4 (and a
 few two-axis combinations on a 2x2 mesh), places the inputs as it says under
@@ -15,9 +16,7 @@ Rows found wrong are listed in KNOWN_WRONG with the reason (strict xfail).
 """
 from __future__ import annotations
 
-import importlib
 import itertools
-import operator
 from dataclasses import dataclass, field
 
 import pytest
@@ -732,50 +731,3 @@ def test_normalize_equation_rejects_wrong_operand_count():
 
     with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
         normalize_equation("ij,jk->ik", [2])
-
-
-# ---------------------------------------------------------------------------
-# Example models: each captures, and every op in it has a rule.
-
-MODELS = ["bert", "cnn", "gpt", "llama", "mlp", "moe", "resnet", "vit"]
-
-
-def _factory(name: str, attr: str = "small"):
-    return getattr(importlib.import_module(name), attr)  # conftest puts examples/ on sys.path
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_example_captures_with_a_rule_for_every_op(name):
-    from autopar.capture import NodeKind, capture
-
-    model, inputs, loss_fn = _factory(name)(batch=8)
-    graph = capture(model, inputs, loss_fn)
-    ops = [n for n in graph.nodes.values() if n.kind is NodeKind.OP and n.target is not operator.getitem]
-    assert ops, f"{name}: no ops captured"
-    missing = sorted({n.op_name for n in ops if get_rule(n.target) is None})
-    assert missing == [], f"{name}: ops without a sharding rule: {missing}"
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_example_factory_is_deterministic_and_trains(name):
-    model, inputs, loss_fn = _factory(name)(batch=4)
-    again, inputs2, _ = _factory(name)(batch=4)
-    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(a, b), f"{name}: parameter {k} differs between two calls of the factory"
-    assert all(torch.equal(a, b) for a, b in zip(inputs, inputs2))
-    loss = loss_fn(model(*inputs[:-1]), inputs[-1])
-    assert loss.dim() == 0 and torch.isfinite(loss)
-    loss.backward()
-    assert all(p.grad is not None for p in model.parameters()), f"{name}: a parameter gets no gradient"
-
-
-def test_mlp_make_is_configurable():
-    model, (x, y), _ = _factory("mlp", "make")(batch=6, hidden=24, d_in=10, d_out=3, layers=3)
-    assert x.shape == (6, 10) and y.shape == (6, 3) and model(x).shape == (6, 3)
-    assert [layer.out_features for layer in model.layers] == [24, 24, 3]
-
-
-def test_resnet_batch_norm_keeps_no_running_stats():
-    model, _, _ = _factory("resnet")()
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert norms and all(m.running_mean is None for m in norms)
