@@ -47,6 +47,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=_positive_int, required=True)
     plan.add_argument("--pp", type=_positive_int, required=True)
     plan.add_argument("--dp", type=_positive_int, required=True)
+    plan.add_argument("--cp", type=_positive_int, default=1,
+                      help="context-parallel size: each sequence split over cp GPUs (ring attention; default 1)")
     plan.add_argument("--virtual-stages", type=_positive_int, default=1, help="interleaved 1F1B chunks per stage")
     plan.add_argument("--first-stage-layers", type=_positive_int,
                       help="layers on the first pipeline stage (uneven stages; default: an equal share)")
@@ -73,7 +75,7 @@ def estimate_from_args(args: argparse.Namespace) -> StepEstimate:
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, swiglu=args.swiglu,
         untied_embeddings=args.untied_embeddings)
     plan = TrainingPlan(
-        batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp,
+        batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
         virtual_stages=args.virtual_stages, first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers, sequence_parallel=args.sequence_parallel,
         recompute=args.recompute, zero=args.zero, precision=args.precision, attention=args.attention)
@@ -108,9 +110,12 @@ def format_estimate(est: StepEstimate, cluster: str) -> str:
         ("", ""),
         ("time breakdown", ""),
     ]
-    for label, value in (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
-                         ("pipeline comm", t.pp_comm_s), ("data-parallel comm", t.dp_comm_s),
-                         ("pipeline bubble", t.bubble_s), ("optimizer step", t.optimizer_s)):
+    parts = (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
+             ("context-parallel comm", t.cp_comm_s), ("pipeline comm", t.pp_comm_s),
+             ("data-parallel comm", t.dp_comm_s), ("pipeline bubble", t.bubble_s), ("optimizer step", t.optimizer_s))
+    for label, value in parts:
+        if label == "context-parallel comm" and est.context_parallel == 1:
+            continue
         rows.append((f"  {label}", f"{_seconds(value):>10}  {value / step:6.1%}"))
     capacity = f"of {est.memory_capacity_bytes / 2**30:.2f} GiB" + ("" if est.fits_in_memory else ": does not fit")
     rows += [("", ""), (f"memory per GPU (stage {m.stage})", f"{m.total / 2**30:.2f} GiB {capacity}")]

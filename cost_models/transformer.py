@@ -4,7 +4,8 @@ parallelism), priced with the same primitives as compiled plans: ``op_time``
 (cost_models/compute.py), ``axis_links`` and ``collective_time``
 (cost_models/collectives.py).
 
-What is counted, per GPU and per microbatch:
+What is counted, per GPU and per microbatch (1/cp of its tokens under context
+parallelism):
 - every GEMM of a layer (QKV, attention projection, MLP) and the attention core
   (unfused: QK^T and PV batched GEMMs, softmax and dropout over the s x s
   scores; or one FlashAttention kernel), forward, recomputation and backward;
@@ -14,6 +15,8 @@ What is counted, per GPU and per microbatch:
 - tensor-parallel all-reduces (Megatron: 2 forward, 2 backward per layer, plus
   2 when the forward is recomputed), or reduce-scatter + all-gather pairs with
   sequence parallelism;
+- context parallelism's ring of keys and values, exposed where the
+  attention it runs under does not cover it;
 - pipeline send/recv per virtual stage and the bubble (p - 1) / v of a
   microbatch time (interleaved 1F1B, Narayanan et al. SC'21); stages may hold
   uneven layer counts (the first and last pinned), the slowest stage sets the
@@ -68,6 +71,8 @@ class TimeBreakdown:
     """GEMMs, attention and element-wise kernels (forward, recomputation, backward)."""
     tp_comm_s: float
     """Exposed tensor-parallel collectives."""
+    cp_comm_s: float
+    """Exposed context-parallel key/value exchange (ring attention)."""
     pp_comm_s: float
     """Exposed pipeline send/recv."""
     dp_comm_s: float
@@ -79,8 +84,8 @@ class TimeBreakdown:
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s
-                + self.optimizer_s)
+        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.dp_comm_s
+                + self.bubble_s + self.optimizer_s)
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,8 @@ class StepEstimate:
     """Microbatches per pipeline per step."""
     stage_layers: tuple
     """Transformer layers on each pipeline stage."""
+    context_parallel: int
+    """GPUs each sequence is split over (cp)."""
     parameters: int
     """Model parameters."""
     memory_capacity_bytes: float
@@ -200,6 +207,11 @@ def _stream(name: str, fwd_bytes: float, bwd_bytes: float, attention_core: bool 
     return Kernel(name, 0.0, fwd_bytes, 0.0, bwd_bytes, False, attention_core)
 
 
+def local_tokens(model: TransformerConfig, plan: TrainingPlan) -> float:
+    """Tokens of one microbatch on one GPU: its sequences' 1/cp share."""
+    return plan.microbatch * model.seq / plan.cp
+
+
 def layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
     """The kernels of one layer on one GPU for one microbatch.
 
@@ -210,7 +222,7 @@ def layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
     bias-GeLU y = f(x), dx = f(dy, x); SwiGLU y = f(gate, up), (dgate, dup) =
     f(dy, gate, up)."""
     e, t = plan.precision.elem_bytes, plan.tp
-    tokens = plan.microbatch * model.seq
+    tokens = local_tokens(model, plan)
     h, f = model.hidden, model.ffn
     full = tokens * h / (t if plan.sequence_parallel else 1)  # elements of layer-norm / dropout tensors
     mask = 1 if model.dropout else 0  # dropout mask bytes per element
@@ -235,13 +247,16 @@ def layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
 
 
 def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """The attention core on one GPU (a/t heads) for one microbatch."""
+    """The attention core on one GPU (a/t heads) for one microbatch. Under
+    context parallelism a GPU's queries (s/cp of them, in two load-balanced
+    chunks) meet every key, so it does 1/cp of the causal work and reads all
+    keys and values as they come round the ring."""
     e, s, d = plan.precision.elem_bytes, model.seq, model.head_dim
     heads = plan.microbatch * model.heads // plan.tp  # (sequence, head) pairs on this GPU
     if plan.attention is AttentionKernel.FLASH:
-        flops = 4.0 * heads * s * s * d * FLASH_CAUSAL_WORK
-        nbytes = float(e) * plan.microbatch * s * (2 * model.hidden + 2 * model.kv_hidden) / plan.tp
-        shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d)
+        flops = 4.0 * heads * s * s * d * FLASH_CAUSAL_WORK / plan.cp
+        nbytes = float(e) * plan.microbatch * (2 * model.hidden * s / plan.cp + 2 * model.kv_hidden * s) / plan.tp
+        shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
         return [Kernel("flash-attention", flops, nbytes, FLASH_BACKWARD_WORK * flops, 2 * nbytes, True, True, shape)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
@@ -262,7 +277,7 @@ def padded_vocab(model: TransformerConfig, plan: TrainingPlan) -> int:
 def head_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
     """Final norm, logits GEMM and cross entropy (last stage), per GPU per microbatch."""
     e, t = plan.precision.elem_bytes, plan.tp
-    tokens = plan.microbatch * model.seq
+    tokens = local_tokens(model, plan)
     full = tokens * model.hidden / (t if plan.sequence_parallel else 1)
     logits = tokens * padded_vocab(model, plan) / t
     return [
@@ -276,7 +291,7 @@ def head_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
 def embedding_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
     """Token (and position) embedding lookup and dropout (first stage)."""
     e = plan.precision.elem_bytes
-    n = plan.microbatch * model.seq * model.hidden
+    n = local_tokens(model, plan) * model.hidden
     mask = 1 if model.dropout else 0
     return [_stream("embedding", (4 * e + mask) * n, (3 * e + mask) * n)]
 
@@ -285,19 +300,22 @@ def embedding_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
 
 @dataclass(frozen=True)
 class Fabric:
-    """The plan's mesh (pp, dp, tp) laid on the cluster, and the all-reduce
+    """The plan's mesh (pp, dp, cp, tp) laid on the cluster, and the all-reduce
     algorithm its backend picks (NCCL tunes between ring and tree; gloo is
-    priced as a ring, the form calibration fits)."""
+    priced as a ring, the form calibration fits). ``dp`` is the group that
+    reduces gradients: data x context parallel, contiguous in rank order."""
 
     pp: AxisLinks
     dp: AxisLinks
+    cp: AxisLinks
     tp: AxisLinks
     algorithm: Algorithm
 
     @classmethod
     def make(cls, plan: "TrainingPlan", cluster: Cluster) -> "Fabric":
-        pp, dp, tp = axis_links(cluster, plan.mesh_shape)
-        return cls(pp, dp, tp, Algorithm.BEST if cluster.backend == "nccl" else Algorithm.RING)
+        pp, _, cp, tp = axis_links(cluster, plan.mesh_shape)
+        grads = axis_links(cluster, (plan.pp, plan.dp * plan.cp, plan.tp))[1]
+        return cls(pp, grads, cp, tp, Algorithm.BEST if cluster.backend == "nccl" else Algorithm.RING)
 
     def time(self, kind: Collective, nbytes: float, axis: str) -> float:
         return collective_time(kind, nbytes, getattr(self, axis), self.algorithm)
@@ -342,7 +360,7 @@ def tp_layer_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) 
     the b x s x h activation after the attention and MLP blocks (forward) and
     before them (backward); with sequence parallelism each is a reduce-scatter
     plus an all-gather of the same buffer (Korthikanti et al. 2022)."""
-    nbytes = plan.precision.elem_bytes * plan.microbatch * model.seq * model.hidden
+    nbytes = plan.precision.elem_bytes * local_tokens(model, plan) * model.hidden
     if plan.sequence_parallel:
         one = (fabric.time(Collective.REDUCE_SCATTER, nbytes, "tp")
                + fabric.time(Collective.ALL_GATHER, nbytes, "tp"))
@@ -356,13 +374,30 @@ def tp_head_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) -
     """The vocab-parallel output layer: three all-reduces of b x s fp32 scalars in
     the cross entropy (max, sum, target logit), and the input-gradient all-reduce
     (sequence parallel: an all-gather forward, a reduce-scatter backward)."""
-    tokens = plan.microbatch * model.seq
+    tokens = local_tokens(model, plan)
     scalars = 3 * fabric.time(Collective.ALL_REDUCE, 4 * tokens, "tp")
     nbytes = plan.precision.elem_bytes * tokens * model.hidden
     if plan.sequence_parallel:
         return PassTimes(scalars + fabric.time(Collective.ALL_GATHER, nbytes, "tp"), 0.0,
                          fabric.time(Collective.REDUCE_SCATTER, nbytes, "tp"))
     return PassTimes(scalars, 0.0, fabric.time(Collective.ALL_REDUCE, nbytes, "tp"))
+
+
+def cp_layer_comm(model: TransformerConfig, plan: TrainingPlan, attention: PassTimes,
+                  fabric: Fabric) -> PassTimes:
+    """Context parallelism's ring attention in one layer per microbatch: cp - 1
+    steps, each passing a chunk of keys and values (b s/cp kv_hidden/t each)
+    to the next GPU while attention computes on the chunk in hand, so only
+    what the attention (``attention``: its own times) leaves uncovered is
+    exposed; backward passes the keys and values again and their gradients."""
+    if plan.cp == 1:
+        return PassTimes(0.0, 0.0, 0.0)
+    chunk = 2 * plan.precision.elem_bytes * local_tokens(model, plan) * model.kv_hidden / plan.tp
+    ring = (plan.cp - 1) * fabric.time(Collective.SEND_RECV, chunk, "cp")
+    exposed = lambda comm, under: max(0.0, comm - under)  # noqa: E731
+    return PassTimes(exposed(ring, attention.forward),
+                     exposed(ring, attention.recompute) if attention.recompute else 0.0,
+                     exposed(2 * ring, attention.backward))
 
 
 def pp_transfer(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) -> float:
@@ -373,7 +408,7 @@ def pp_transfer(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) ->
     optimisation); with sequence parallelism the activation is already sliced."""
     if plan.pp == 1:
         return 0.0
-    nbytes = plan.precision.elem_bytes * plan.microbatch * model.seq * model.hidden
+    nbytes = plan.precision.elem_bytes * local_tokens(model, plan) * model.hidden
     seconds = fabric.time(Collective.SEND_RECV, nbytes / plan.tp, "pp")
     if plan.tp > 1 and not plan.sequence_parallel:
         seconds += fabric.time(Collective.ALL_GATHER, nbytes, "tp")
@@ -387,10 +422,11 @@ class StageTime:
     compute: PassTimes
     tp_comm: PassTimes
     pp_comm: float
+    cp_comm: PassTimes = PassTimes(0.0, 0.0, 0.0)
 
     @property
     def total(self) -> float:
-        return self.compute.total + self.tp_comm.total + self.pp_comm
+        return self.compute.total + self.tp_comm.total + self.cp_comm.total + self.pp_comm
 
 
 def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, fabric: Fabric) -> list[StageTime]:
@@ -398,6 +434,8 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
     layers = stage_layers(model, plan)
     layer = kernel_times(layer_kernels(model, plan), plan, cluster, recompute=True)
     layer_comm = tp_layer_comm(model, plan, fabric)
+    ring = cp_layer_comm(model, plan, kernel_times(attention_kernels(model, plan), plan, cluster, recompute=True),
+                         fabric)
     embed = kernel_times(embedding_kernels(model, plan), plan, cluster, recompute=False)
     head = kernel_times(head_kernels(model, plan), plan, cluster, recompute=False)
     head_comm = tp_head_comm(model, plan, fabric)
@@ -411,7 +449,7 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
             compute = compute + embed
         if i == plan.pp - 1:
             compute, comm = compute + head, comm + head_comm
-        out.append(StageTime(compute, comm, p2p))
+        out.append(StageTime(compute, comm, p2p, ring * n))
     return out
 
 
@@ -454,7 +492,7 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     gradients go in one collective over the whole flat buffer after the
     backward."""
     e = plan.precision.elem_bytes
-    if plan.dp == 1:
+    if plan.dp * plan.cp == 1:
         return 0.0
     params = stage_params(model, plan, 0)
     if plan.zero == 3:
@@ -492,7 +530,7 @@ def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluste
     gradient and writes the state back, plus the 16-bit weights when mixed."""
     e = plan.precision.elem_bytes
     largest = max(stage_params(model, plan, i) for i in range(plan.pp))
-    params = largest / (plan.dp if plan.zero >= 1 else 1)
+    params = largest / (plan.dp * plan.cp if plan.zero >= 1 else 1)
     per_param = 12 + e + 12 + (e if plan.precision.mixed else 0)
     return op_time(0.0, params * per_param, cluster.device, plan.precision.value)
 
@@ -506,7 +544,7 @@ def model_state_bytes(params: float, plan: TrainingPlan) -> tuple[float, float, 
     weights, momentum, variance), fp32 holds 4 + 4 + 8."""
     e = plan.precision.elem_bytes
     optimizer = 12 if plan.precision.mixed else 8
-    nd = plan.dp
+    nd = plan.dp * plan.cp  # the gradient group, which Megatron's distributed optimizer shards over
     shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[plan.zero]
     return e * params / shard[0], e * params / shard[1], optimizer * params / shard[2]
 
@@ -519,7 +557,7 @@ def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompu
     2 s b h with full recomputation)."""
     recompute = plan.recompute if recompute is None else recompute
     e, t = plan.precision.elem_bytes, plan.tp
-    s, b, h, f = model.seq, plan.microbatch, model.hidden, model.ffn
+    s, b, h, f = model.seq / plan.cp, plan.microbatch, model.hidden, model.ffn  # this GPU's share of a sequence
     r = t if plan.sequence_parallel else 1
     if recompute is Recompute.FULL:
         return e * s * b * h / r
@@ -553,7 +591,7 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
     if plan.recompute is not Recompute.NONE:
         held += layer_activation_bytes(model, plan, Recompute.NONE) - \
             (layer_activation_bytes(model, plan) if plan.recompute is Recompute.SELECTIVE else 0.0)
-    e, tokens = plan.precision.elem_bytes, plan.microbatch * model.seq
+    e, tokens = plan.precision.elem_bytes, local_tokens(model, plan)
     if stage == 0:  # embedding output + dropout mask, scattered over tp under sequence parallelism
         shards = plan.tp if plan.sequence_parallel else 1
         held += in_flight * (e + (1 if model.dropout else 0)) * tokens * model.hidden / shards
@@ -578,11 +616,11 @@ def peak_memory(model: TransformerConfig, plan: TrainingPlan) -> MemoryBreakdown
 # --- the estimate -----------------------------------------------------------------------
 
 def nodes_for(plan: TrainingPlan, cluster: Cluster) -> int:
-    """Nodes the plan's tp * pp * dp GPUs fill: part of one, or whole nodes."""
+    """Nodes the plan's tp * cp * pp * dp GPUs fill: part of one, or whole nodes."""
     whole, part = divmod(plan.world, cluster.devices_per_node)
     if whole and part:
         raise EstimateError(
-            f"tp({plan.tp}) * pp({plan.pp}) * dp({plan.dp}) = {plan.world} GPUs do not fill whole nodes of "
+            f"{plan.degrees} = {plan.world} GPUs do not fill whole nodes of "
             f"devices_per_node({cluster.devices_per_node}) on cluster {cluster.name!r}, nor fit in one")
     return max(1, whole)
 
@@ -599,6 +637,7 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
     time = TimeBreakdown(
         compute_s=m * slowest.compute.total,
         tp_comm_s=m * slowest.tp_comm.total,
+        cp_comm_s=m * slowest.cp_comm.total,
         pp_comm_s=m * slowest.pp_comm,
         dp_comm_s=dp_exposed(model, plan, fabric, stages[0]),
         bubble_s=(p - 1) / v * slowest.total,
@@ -617,6 +656,7 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
         world_size=n,
         microbatches=m,
         stage_layers=stage_layers(model, plan),
+        context_parallel=plan.cp,
         parameters=model.parameters(),
         memory_capacity_bytes=cluster.device.memory,
     )

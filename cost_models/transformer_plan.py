@@ -172,6 +172,12 @@ class TrainingPlan:
     """Pipeline stages, p."""
     dp: int = 1
     """Data-parallel size, d."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over cp GPUs in 2 cp
+    load-balanced chunks, keys and values passed round a ring (Megatron-Core
+    with Transformer Engine's attention; Llama 3 trained at 131K tokens
+    with cp = 16, Dubey et al. 2024, sec. 3.3.2). Weights are replicated
+    over cp: gradients reduce over dp x cp."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage, v (interleaved 1F1B when > 1)."""
     first_stage_layers: int | None = None
@@ -196,7 +202,7 @@ class TrainingPlan:
     """Overlap the data-parallel gradient reduction with the last microbatch's backward."""
 
     def __post_init__(self):
-        for name in ("batch", "microbatch", "tp", "pp", "dp", "virtual_stages"):
+        for name in ("batch", "microbatch", "tp", "pp", "dp", "cp", "virtual_stages"):
             _require_positive_int(name, getattr(self, name))
         for name in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None:
@@ -209,7 +215,13 @@ class TrainingPlan:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def degrees(self) -> str:
+        """'tp(8) * pp(2) * dp(4)', with cp(2) after tp when there is context parallelism."""
+        cp = f" * cp({self.cp})" if self.cp > 1 else ""
+        return f"tp({self.tp}){cp} * pp({self.pp}) * dp({self.dp})"
 
     @property
     def microbatches(self) -> int:
@@ -217,9 +229,9 @@ class TrainingPlan:
         return self.batch // (self.microbatch * self.dp)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        """(pp, dp, tp), tp fastest: Megatron's rank order, so tp stays inside a node."""
-        return (self.pp, self.dp, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """(pp, dp, cp, tp), tp fastest: Megatron's rank order, so tp (then cp) stays inside a node."""
+        return (self.pp, self.dp, self.cp, self.tp)
 
 
 def _require_positive_int(name: str, value) -> None:
@@ -242,7 +254,7 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
         raise EstimateError(f"cluster {cluster.name!r} has {cluster.nodes} node(s); {nodes} requested")
     if plan.world != nodes * dpn and not (nodes == 1 and plan.world < dpn):
         raise EstimateError(
-            f"tp({plan.tp}) * pp({plan.pp}) * dp({plan.dp}) = {plan.world} != "
+            f"{plan.degrees} = {plan.world} != "
             f"nodes({nodes}) * devices_per_node({dpn}) = {nodes * dpn} on cluster {cluster.name!r} "
             f"(a plan uses whole nodes, or part of one)")
     rules = [
@@ -255,8 +267,14 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
         (plan.virtual_stages == 1 or plan.microbatches % plan.pp == 0,
          f"the interleaved schedule needs microbatches ({plan.microbatches} = batch / (microbatch * dp)) "
          f"divisible by pp ({plan.pp})"),
-        (not plan.sequence_parallel or model.seq % plan.tp == 0,
-         f"sequence parallelism needs seq ({model.seq}) divisible by tp ({plan.tp})"),
+        (not plan.sequence_parallel or model.seq % (plan.tp * plan.cp) == 0,
+         f"sequence parallelism needs seq ({model.seq}) divisible by tp ({plan.tp})"
+         + (f" * cp ({plan.cp})" if plan.cp > 1 else "")),
+        (plan.cp == 1 or model.seq % (2 * plan.cp) == 0,
+         f"context parallelism splits each sequence in 2 * cp load-balanced chunks: seq ({model.seq}) must be "
+         f"divisible by 2 * cp ({2 * plan.cp})"),
+        (plan.cp == 1 or plan.attention is AttentionKernel.FLASH,
+         "context parallelism needs the flash attention kernel (ring attention); --attention unfused has none"),
     ]
     for ok, message in rules:
         if not ok:

@@ -488,6 +488,37 @@ def test_invalid_plans_say_why(plan, cluster, nodes, message):
         estimate(GPT_1T, TrainingPlan(**{"batch": 64, "microbatch": 1, **plan}), cluster, nodes)
 
 
+def test_context_parallelism_splits_tokens_and_rings_keys_and_values(capsys):
+    """cp = 2 halves every token-proportional FLOP and activation byte of a
+    layer (attention does half the causal work); the ring's key/value
+    exchange hides under a long sequence's attention and shows under a
+    short one's; gradients reduce over dp x cp."""
+    llama = TransformerConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, swiglu=True,
+                              seq=32768, vocab=128256, untied_embeddings=True)
+    one = TrainingPlan(batch=16, microbatch=1, tp=4, dp=2, sequence_parallel=True)
+    two = dataclasses.replace(one, cp=2)
+    flops = lambda plan: sum(k.fwd_flops + k.bwd_flops for k in layer_kernels(llama, plan))  # noqa: E731
+    assert flops(two) == pytest.approx(flops(one) / 2)
+    assert layer_activation_bytes(llama, two) == pytest.approx(layer_activation_bytes(llama, one) / 2)
+    h100 = get_cluster("dgx-h100")
+    assert Fabric.make(two, h100).dp.size == 4 and Fabric.make(two, h100).cp.size == 2
+    long = estimate(llama, two, h100)
+    assert long.world_size == 16 and long.time.cp_comm_s == 0.0  # 32K tokens of attention hide the ring
+    short = estimate(dataclasses.replace(llama, seq=2048), dataclasses.replace(two, cp=8, tp=1), h100)
+    assert short.time.cp_comm_s > 0
+    args = ("--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn-hidden 14336 --swiglu --seq 32768 "
+            "--vocab 128256 --batch 16 --microbatch 1 --tp 4 --cp 2 --pp 1 --dp 2 --sequence-parallel "
+            "--cluster dgx-h100").split()
+    assert estimate_main(args) == 0
+    assert "context-parallel comm" in capsys.readouterr().out
+    for plan, message in ((dataclasses.replace(two, cp=3, sequence_parallel=False), r"seq \(32768\) must be divisible by 2 \* cp \(6\)"),
+                          (dataclasses.replace(two, attention="unfused"), r"context parallelism needs the flash"),
+                          (dataclasses.replace(two, tp=2, dp=3, batch=18),
+                           r"tp\(2\) \* cp\(2\) \* pp\(1\) \* dp\(3\) = 12 GPUs do not fill whole nodes")):
+        with pytest.raises(EstimateError, match=message):
+            estimate(llama, plan, h100)
+
+
 def test_uneven_stages_pin_the_first_and_last_and_the_slowest_sets_the_pace():
     """Llama 3 405B's split (126 layers on 16 stages, one fewer on the first
     and the last): the middle stages keep 8, the pinned ones 7; pinning the
