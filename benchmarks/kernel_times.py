@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from autopar.cost_models.calibrate import PRESET_OF_GPU
+from autopar.cost_models.calibrate import gpu_preset
 from autopar.cost_models.cluster import Cluster, get_cluster
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.transformer import Kernel, layer_kernels
@@ -60,9 +60,9 @@ def default_cluster(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device)
-    for key, preset in PRESET_OF_GPU.items():
-        if key in name:
-            return preset
+    preset = gpu_preset(name)
+    if preset:
+        return preset
     raise SystemExit(f"no preset for GPU {name!r}; give --cluster (a preset, or a profile from autopar calibrate)")
 
 

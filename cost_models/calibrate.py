@@ -43,13 +43,20 @@ import tempfile
 import numpy as np
 import torch
 
-from autopar.cost_models.cluster import (A100_80GB, H100_80GB, H200, V100_32GB, Cluster, Device, Link,
-                                         cluster_names, get_cluster)
+from autopar.cost_models.cluster import Cluster, Device, Link, cluster_names, get_cluster
 from autopar.cost_models.collectives import Collective, ring_bytes
 from autopar.errors import ClusterError
 
-KNOWN_GPUS = {"A100": A100_80GB, "H100": H100_80GB, "H200": H200, "V100": V100_32GB}
-"""GPUs whose datasheet peaks we know (cost_models/cluster.py); others get their measured GEMM rate as peak."""
+PRESET_OF_GPU = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "h200", "V100": "p3.16xlarge"}
+"""GPUs we know, by a fragment of their name, and the preset whose node they
+sit in (cost_models/cluster.py): their datasheet peaks, and with one rank
+their links. Other GPUs get their measured GEMM rate as peak."""
+
+
+def gpu_preset(device_name: str) -> str | None:
+    """The preset of a GPU named ``device_name`` (torch.cuda.get_device_name), or None."""
+    return next((preset for key, preset in PRESET_OF_GPU.items() if key in device_name), None)
+
 TIMEOUT_S = 600
 
 
@@ -202,10 +209,6 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
                    calibration=calibration)
 
 
-PRESET_OF_GPU = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "h200", "V100": "p3.16xlarge"}
-"""The preset whose node a GPU (by name) is taken to sit in when one rank cannot time collectives."""
-
-
 def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None,
               links_from: str | None = None) -> Cluster:
     """Measure this machine with ``nproc`` local ranks and write a profile to
@@ -218,8 +221,7 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
         raise ClusterError("backend nccl needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
     links = None
     if nproc < 2:
-        gpu = torch.cuda.get_device_name(0) if backend == "nccl" else ""
-        links_from = links_from or next((p for k, p in PRESET_OF_GPU.items() if k in gpu), None)
+        links_from = links_from or (gpu_preset(torch.cuda.get_device_name(0)) if backend == "nccl" else None)
         if links_from is None:
             raise ClusterError(f"with nproc={nproc} no collective can be timed: give --links-from PRESET (one of "
                                f"{cluster_names()}, or a profile) to take the links from, or --nproc 2 or more")
@@ -231,7 +233,8 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     if backend == "nccl":
         props = torch.cuda.get_device_properties(0)
         memory, device_name = float(props.total_memory), props.name
-        known = next((dict(d.peak_flops) for k, d in KNOWN_GPUS.items() if k in props.name), None)
+        preset = gpu_preset(props.name)
+        known = dict(get_cluster(preset).device.peak_flops) if preset else None
     else:
         memory, device_name, known = _host_memory() / nproc, "cpu-rank", None
     load_before = os.getloadavg()[0]
