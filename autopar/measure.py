@@ -114,39 +114,32 @@ def collective_overhead(nproc: int, cluster: str = "cpu", steps: int = 20) -> fl
     return max(0.0, excess / result["collectives"])
 
 
-def _linear_chain():
-    from torch import nn
+class _Difference(torch.nn.Module):
+    def forward(self, h):
+        return h - h  # two inputs; the values stay exactly 0: nothing overflows or goes subnormal
+
+
+def _op_chain(make_layers):
+    """A calibration model: ``make_layers()`` in sequence on an 8 x 8 input, an MSE loss, no pins."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(CHAIN_OPS))), (x, y), torch.nn.functional.mse_loss, None
+    return torch.nn.Sequential(*make_layers()), (x, y), torch.nn.functional.mse_loss, None
+
+
+def _linear_chain():
+    return _op_chain(lambda: [torch.nn.Linear(8, 8) for _ in range(CHAIN_OPS)])
 
 
 def _unary_chain():
-    from torch import nn
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    layers = [nn.Linear(8, 8), *(nn.Tanh() for _ in range(CHAIN_OPS - 1))]
-    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, None
+    return _op_chain(lambda: [torch.nn.Linear(8, 8), *(torch.nn.Tanh() for _ in range(CHAIN_OPS - 1))])
 
 
 def _product_chain():
-    from torch import nn
-
-    class Difference(nn.Module):
-        def forward(self, h):
-            return h - h  # two inputs; the values stay exactly 0: nothing overflows or goes subnormal
-
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    layers = [nn.Linear(8, 8), *(Difference() for _ in range(CHAIN_OPS - 1))]
-    return nn.Sequential(*layers), (x, y), torch.nn.functional.mse_loss, None
+    return _op_chain(lambda: [torch.nn.Linear(8, 8), *(_Difference() for _ in range(CHAIN_OPS - 1))])
 
 
 def _single_op():
-    from torch import nn
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    return nn.Sequential(nn.Linear(8, 8)), (x, y), torch.nn.functional.mse_loss, None
+    return _op_chain(lambda: [torch.nn.Linear(8, 8)])
 
 
 def _tp_chain():
