@@ -111,11 +111,10 @@ def format_estimate(est: StepEstimate, cluster: str) -> str:
         ("time breakdown", ""),
     ]
     parts = (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
-             ("context-parallel comm", t.cp_comm_s), ("pipeline comm", t.pp_comm_s),
-             ("data-parallel comm", t.dp_comm_s), ("pipeline bubble", t.bubble_s), ("optimizer step", t.optimizer_s))
+             *([("context-parallel comm", t.cp_comm_s)] if est.context_parallel > 1 else []),
+             ("pipeline comm", t.pp_comm_s), ("data-parallel comm", t.dp_comm_s), ("pipeline bubble", t.bubble_s),
+             ("optimizer step", t.optimizer_s))
     for label, value in parts:
-        if label == "context-parallel comm" and est.context_parallel == 1:
-            continue
         rows.append((f"  {label}", f"{_seconds(value):>10}  {value / step:6.1%}"))
     capacity = f"of {est.memory_capacity_bytes / 2**30:.2f} GiB" + ("" if est.fits_in_memory else ": does not fit")
     rows += [("", ""), (f"memory per GPU (stage {m.stage})", f"{m.total / 2**30:.2f} GiB {capacity}")]
