@@ -171,42 +171,34 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
     copy = raw["copy"]
     inv_bw = fit_proportional([c["bytes_moved"] for c in copy], [c["seconds"] for c in copy])
     op_latency = raw["op_latency"]
-    if not raw["collectives"]:
-        if links is None:
-            raise ClusterError("one rank timed no collectives: give the cluster to take the links from")
-        alpha, bandwidth = links.intra_node.latency, links.intra_node.bandwidth
-    else:
-        alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
-
     element_time = fit_element_time(raw.get("elements", []))
     device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
                     gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency,
                     element_time=element_time)
-    link = Link(bandwidth, alpha)
-    calibration = dict(
-        raw,
-        fit={
-            "gemm_rate_flops": rate, "gemm_latency_s": gemm_latency,
-            "gemm_residuals": _relative_residuals([gemm_latency + g["flops"] / rate for g in gemm],
-                                                  [g["seconds"] for g in gemm]),
-            "memory_bandwidth": 1.0 / inv_bw,
-            "copy_residuals": _relative_residuals([c["bytes_moved"] * inv_bw for c in copy],
-                                                  [c["seconds"] for c in copy]),
-            "alpha_s": alpha, "bandwidth": bandwidth,
-            "collective_residuals": _relative_residuals(
-                [alpha * (2 * (n - 1) if c["kind"] == "all_reduce" else n - 1)
-                 + ring_bytes(Collective(c["kind"]), c["bytes"], n) / bandwidth for c in raw["collectives"]],
-                [c["seconds"] for c in raw["collectives"]]),
-        },
-    )
-    if not raw["collectives"]:  # one rank: the node and its links as the given cluster has them
-        return Cluster(name, dataclasses.replace(device, collective_overhead=links.device.collective_overhead),
-                       links.devices_per_node, links.intra_node, links.inter_node, nodes=None,
-                       oversubscription=links.oversubscription, backend=raw["backend"], source=source,
-                       overlap_grad_sync=raw["backend"] == "nccl", calibration=calibration)
-    return Cluster(name, device, n, link, link, nodes=1, backend=raw["backend"], source=source,
-                   overlap_grad_sync=raw["backend"] == "nccl",
-                   calibration=calibration)
+    fit = {
+        "gemm_rate_flops": rate, "gemm_latency_s": gemm_latency,
+        "gemm_residuals": _relative_residuals([gemm_latency + g["flops"] / rate for g in gemm],
+                                              [g["seconds"] for g in gemm]),
+        "memory_bandwidth": 1.0 / inv_bw,
+        "copy_residuals": _relative_residuals([c["bytes_moved"] * inv_bw for c in copy],
+                                              [c["seconds"] for c in copy]),
+    }
+    if raw["collectives"]:  # the ranks' one node, both levels the measured link
+        alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
+        fit.update(alpha_s=alpha, bandwidth=bandwidth, collective_residuals=_relative_residuals(
+            [alpha * (2 * (n - 1) if c["kind"] == "all_reduce" else n - 1)
+             + ring_bytes(Collective(c["kind"]), c["bytes"], n) / bandwidth for c in raw["collectives"]],
+            [c["seconds"] for c in raw["collectives"]]))
+        link = Link(bandwidth, alpha)
+        node = dict(devices_per_node=n, intra_node=link, inter_node=link, nodes=1)
+    else:  # one rank: the node, its links and the per-collective cost as the given cluster has them
+        if links is None:
+            raise ClusterError("one rank timed no collectives: give the cluster to take the links from")
+        device = dataclasses.replace(device, collective_overhead=links.device.collective_overhead)
+        node = dict(devices_per_node=links.devices_per_node, intra_node=links.intra_node,
+                    inter_node=links.inter_node, nodes=None, oversubscription=links.oversubscription)
+    return Cluster(name, device, backend=raw["backend"], source=source, overlap_grad_sync=raw["backend"] == "nccl",
+                   calibration=dict(raw, fit=fit), **node)
 
 
 def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None,
