@@ -108,6 +108,16 @@ class Device:
     (calibrate_worker.ELEMENT_OPS) as the slope of its time over tensor size.
     An op not listed is priced by the roofline alone; empty for the GPU
     presets, whose element-wise kernels are bandwidth-bound."""
+    special_function_rate: float = 0.0
+    """Special-function evaluations (exp, log, reciprocal) per second: the
+    GPU's SFUs, which do the softmax's exponentials outside the tensor cores.
+    FlashAttention evaluates one exponential per score element it computes
+    in forward and again in backward, and FlashAttention-2 does not overlap
+    them with its GEMMs, so at long sequences they add to the kernel's time
+    (compute.op_time's ``special`` term, which ``autopar estimate``'s
+    FlashAttention kernel passes; compiled plans do not yet). 0 where not
+    modelled (CPU ranks, whose exp is measured per element in
+    ``element_time``)."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more
@@ -133,6 +143,7 @@ class Device:
         _positive(where, "input_overhead (s)", self.input_overhead, allow_zero=True)
         _positive(where, "step_overhead (s)", self.step_overhead, allow_zero=True)
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
+        _positive(where, "special_function_rate (1/s)", self.special_function_rate, allow_zero=True)
         if not isinstance(self.element_time, dict):
             raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "
                                f"got {self.element_time!r}")
@@ -341,18 +352,31 @@ GEMM_LATENCY = 3e-6
 """Seconds per GEMM (Calculon A100 efficiency table, see above)."""
 KERNEL_LATENCY = 3e-6
 """Seconds per CUDA kernel launch (same order as GEMM_LATENCY; CUDA launch overhead is a few us)."""
+SFU_PER_SM_PER_CLOCK = 16
+"""exp2/log2/rcp/rsqrt/sin/cos results per SM per clock on compute capability
+7.0, 8.0 and 9.0 (CUDA C++ Programming Guide, "Arithmetic Instructions",
+throughput of native arithmetic instructions). Times SMs and boost clock:
+A100 SXM 108 SMs at 1.41 GHz, H100/H200 SXM 132 at 1.83 GHz (the clocks at
+which 1024 dense bf16 FMA per SM per clock give the datasheet's 312 and 989
+TFLOP/s), V100 SXM2 80 at 1.53 GHz (NVIDIA A100, H100 and V100 architecture
+whitepapers). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
+against its 989 TFLOP/s of matmul (Shah et al. 2024, sec. 3)."""
+
+
+def _sfu_rate(sms: int, clock_hz: float) -> float:
+    return SFU_PER_SM_PER_CLOCK * sms * clock_hz
 
 _GPU_EFFICIENCIES = dict(gemm_efficiency=A100_GEMM_EFFICIENCY, gemm_latency=GEMM_LATENCY,
                          memory_efficiency=A100_MEMORY_EFFICIENCY, op_latency=KERNEL_LATENCY)
 
 A100_80GB = Device("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 2039 * GB,
-                   **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(108, 1.41e9), **_GPU_EFFICIENCIES)
 H100_80GB = Device("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 3350 * GB,
-                   **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(132, 1.83e9), **_GPU_EFFICIENCIES)
 H200 = Device("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 4800 * GB,
-              **_GPU_EFFICIENCIES)
+              special_function_rate=_sfu_rate(132, 1.83e9), **_GPU_EFFICIENCIES)
 V100_32GB = Device("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 32 * GB, 900 * GB,
-                   **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(80, 1.53e9), **_GPU_EFFICIENCIES)
 
 NVLINK3 = Link(240 * GB, 5e-6)
 NVLINK4 = Link(370 * GB, 5e-6)

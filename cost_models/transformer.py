@@ -194,6 +194,10 @@ class Kernel:
     """A GEMM's (batch, m, k, n); FlashAttention's (sequences, query heads,
     key/value heads, sequence length, head dim): what a benchmark runs to time
     the kernel (benchmarks/kernel_times.py)."""
+    special: float = 0.0
+    """Special-function evaluations of the forward kernel, and again of its
+    backward: FlashAttention's exponentials, one per score element computed
+    (the backward recomputes the probabilities)."""
 
 
 def _gemm(name: str, m: float, k: float, n: float, e: int, batch: float = 1, attention_core: bool = False) -> Kernel:
@@ -254,10 +258,11 @@ def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
     e, s, d = plan.precision.elem_bytes, model.seq, model.head_dim
     heads = plan.microbatch * model.heads // plan.tp  # (sequence, head) pairs on this GPU
     if plan.attention is AttentionKernel.FLASH:
-        flops = 4.0 * heads * s * s * d * FLASH_CAUSAL_WORK / plan.cp
+        scores = heads * s * s * FLASH_CAUSAL_WORK / plan.cp
         nbytes = float(e) * plan.microbatch * (2 * model.hidden * s / plan.cp + 2 * model.kv_hidden * s) / plan.tp
         shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
-        return [Kernel("flash-attention", flops, nbytes, FLASH_BACKWARD_WORK * flops, 2 * nbytes, True, True, shape)]
+        return [Kernel("flash-attention", 4.0 * d * scores, nbytes, FLASH_BACKWARD_WORK * 4.0 * d * scores,
+                       2 * nbytes, True, True, shape, special=scores)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
     mask = 1 if model.dropout else 0
@@ -345,8 +350,8 @@ def kernel_times(kernels: list[Kernel], plan: TrainingPlan, cluster: Cluster, re
     """Forward, recomputation and backward seconds of ``kernels``; ``recompute``
     says whether this group is recomputed under the plan's policy at all."""
     device, dtype = cluster.device, plan.precision.value
-    fwd = [op_time(k.fwd_flops, k.fwd_bytes, device, dtype, matmul=k.matmul) for k in kernels]
-    bwd = sum(op_time(k.bwd_flops, k.bwd_bytes, device, dtype, matmul=k.matmul) for k in kernels)
+    fwd = [op_time(k.fwd_flops, k.fwd_bytes, device, dtype, matmul=k.matmul, special=k.special) for k in kernels]
+    bwd = sum(op_time(k.bwd_flops, k.bwd_bytes, device, dtype, matmul=k.matmul, special=k.special) for k in kernels)
     rerun = 0.0
     if recompute and plan.recompute is Recompute.FULL:
         rerun = sum(fwd)

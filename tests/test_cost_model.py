@@ -98,6 +98,19 @@ def test_op_time_is_a_roofline():
     assert memory_bound == pytest.approx(dev.op_latency + 1e9 / (2039e9 * dev.memory_efficiency))
 
 
+def test_fused_attention_waits_on_its_exponentials():
+    """A GEMM kernel's special-function evaluations add at the SFU rate: 16
+    per SM per clock, 3.9e12/s on an H100 (the FlashAttention-3 paper's
+    figure); a device without the rate prices none."""
+    h100 = get_cluster("dgx-h100").device
+    assert h100.special_function_rate == pytest.approx(3.9e12, rel=0.01)
+    assert A100.device.special_function_rate == pytest.approx(16 * 108 * 1.41e9)
+    plain = op_time(1e12, 1e6, h100, "bf16", matmul=True)
+    assert op_time(1e12, 1e6, h100, "bf16", matmul=True, special=1e10) == pytest.approx(plain + 1e10 / 3.87e12, rel=1e-3)
+    none = dataclasses.replace(h100, special_function_rate=0.0)
+    assert op_time(1e12, 1e6, none, "bf16", matmul=True, special=1e10) == pytest.approx(plain)
+
+
 def _captured(model, *inputs):
     import torch
     from autopar.capture import capture
@@ -233,6 +246,7 @@ def _valid_cluster() -> dict:
     (lambda c: c["device"].update(collective_overhead=-1e-3), r"collective_overhead \(s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(input_overhead=float("nan")), r"input_overhead \(s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(step_overhead=-1e-3), r"step_overhead \(s\) must be a finite number >= 0, got -0.001"),
+    (lambda c: c["device"].update(special_function_rate=-1.0), r"special_function_rate \(1/s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(element_time={"tanh": 4e-9}), r"element_time\['tanh'\] must be \[forward seconds, "
                                                                  r"backward seconds\] per element, got 4e-09"),
     (lambda c: c["device"].update(element_time={"tanh": [4e-9, -1]}), r"element_time\['tanh'\]\[1\] \(s\) must be"),

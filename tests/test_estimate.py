@@ -292,6 +292,23 @@ def test_invalid_plans_say_why(plan, cluster, nodes, message):
         estimate(GPT_1T, TrainingPlan(**{"batch": 64, "microbatch": 1, **plan}), cluster, nodes)
 
 
+def test_flash_attention_pays_one_exponential_per_score_forward_and_backward():
+    """Each layer's FlashAttention computes b a s^2 / 2 causal scores and
+    evaluates an exponential for each, forward and again in backward, at the
+    device's SFU rate: the step takes exactly that much longer than on the
+    same device without the rate, and the unfused kernels pay nothing."""
+    model = TransformerConfig(layers=4, hidden=1024, heads=8, seq=8192, vocab=51200)
+    h100 = get_cluster("dgx-h100")
+    no_sfu = dataclasses.replace(h100, device=dataclasses.replace(h100.device, special_function_rate=0.0))
+    plan = TrainingPlan(batch=16, microbatch=2, tp=1, pp=1, dp=8)
+    scores = plan.microbatch * model.heads * model.seq ** 2 / 2
+    extra = model.layers * 2 * scores / h100.device.special_function_rate * (16 // (2 * 8))
+    with_sfu, without = estimate(model, plan, h100), estimate(model, plan, no_sfu)
+    assert with_sfu.time.compute_s - without.time.compute_s == pytest.approx(extra, rel=1e-9)
+    unfused = dataclasses.replace(plan, attention="unfused")
+    assert estimate(model, unfused, h100).step_time_s == estimate(model, unfused, no_sfu).step_time_s
+
+
 def test_context_parallelism_splits_tokens_and_rings_keys_and_values(capsys):
     """cp = 2 halves every token-proportional FLOP and activation byte of a
     layer (attention does half the causal work); the ring's key/value
