@@ -8,7 +8,8 @@ Section 1 predicts the per-GPU throughput of the ten Megatron-LM weak-scaling
 runs (Narayanan et al., SC'21, Table 1; shared/REFERENCE.md) with
 ``cost_models.transformer.estimate`` on the ``dgx-a100`` preset, then, out of
 sample, Korthikanti et al.'s 2022 configurations and published runs on other
-clusters and software (BLOOM, Llama 3 405B, MT-NLG; ``OTHER_RUNS``). Section 2
+clusters and software (BLOOM, Llama 3 405B, MT-NLG; ``OTHER_RUNS``) and MosaicML's
+FSDP runs on A100 and H100 (``fsdp_runs.py``). Section 2
 compares predicted with measured step times of programs autopar emits, run on
 this machine (4 gloo ranks, calibrated ``cpu`` profile); it needs the runtime's
 ``autopar.measure.measure_step_time`` and is skipped, saying so, without it.
@@ -29,6 +30,9 @@ import numpy as np
 from autopar.cost_models.cluster import Cluster, get_cluster
 from autopar.cost_models.transformer import StepEstimate, estimate
 from autopar.cost_models.transformer_plan import AttentionKernel, Precision, Recompute, TrainingPlan, TransformerConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fsdp_runs  # noqa: E402  (benchmarks/fsdp_runs.py, beside this script)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "validation.md")
@@ -418,7 +422,7 @@ def _hfu(results: list[RowResult] | list[SelectiveResult], params_b: float) -> f
     return r.estimate.hardware_tflops_per_gpu * 1e12 / get_cluster("dgx-a100").device.flops("fp16")
 
 
-def report(results, fit=None, loo=None, measured=None, selective=None, other=None) -> str:
+def report(results, fit=None, loo=None, measured=None, selective=None, other=None, fsdp=None) -> str:
     cluster = get_cluster("dgx-a100")
     dev = cluster.device
     today = datetime.date.today().isoformat()
@@ -544,6 +548,8 @@ def report(results, fit=None, loo=None, measured=None, selective=None, other=Non
         out += ["", f"**MAPE {100 * float(np.mean(errs)):.1f}%**, largest error {100 * max(errs):.1f}%.", ""]
         out += [f"- {r.run.name}: {r.run.source}; assumed: {r.run.assumed}." for r in other]
         out += _other_discussion(other, results)
+    if fsdp:
+        out += [""] + fsdp_runs.fsdp_section(fsdp) + fsdp_runs.discussion(fsdp)
     out += ["", "## 2. Measured runs on this machine", ""]
     out += _measured_section(measured)
     return "\n".join(out) + "\n"
@@ -627,7 +633,7 @@ def main(argv=None) -> int:
     measured = "--skip-measured was given" if args.skip_measured else measure_emitted_programs()
     if isinstance(measured, str):
         print(f"section 2 (measured runs) skipped: {measured}", file=sys.stderr)
-    text = report(results, fit, loo, measured, predict_selective(), predict_other())
+    text = report(results, fit, loo, measured, predict_selective(), predict_other(), fsdp_runs.predict_fsdp())
     if args.stdout:
         print(text)
     else:

@@ -1,0 +1,215 @@
+"""Out of sample: MosaicML's published FSDP throughput of MPT models on A100 and H100.
+
+MosaicML's llm-foundry publishes the measured throughput of its MPT models
+(125M to 70B parameters, sequences of 512 to 65,536 tokens) trained with
+PyTorch FSDP (full sharding: ZeRO-3) and a Triton FlashAttention kernel, on 8
+to 128 GPUs, with every run's microbatch, gradient accumulation and activation
+checkpointing (scripts/train/benchmarking/README.md, its three bf16 tables;
+copied, one row per run, to data/mosaicml_mpt_throughput.csv). Each run is
+written as ``autopar estimate``'s model and plan and predicted on the
+``dgx-a100`` and ``dgx-h100`` presets (the A100 40GB: ``dgx-a100`` with that
+GPU's memory and bandwidth) with nothing refitted; ``validate_cost_model.py``
+reports the errors in docs/validation.md.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import statistics
+from dataclasses import dataclass
+
+from autopar.cost_models.cluster import GB, get_cluster
+from autopar.cost_models.transformer import StepEstimate, estimate
+from autopar.cost_models.transformer_plan import AttentionKernel, Recompute, TrainingPlan, TransformerConfig
+
+CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mosaicml_mpt_throughput.csv")
+SOURCE = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md: the tables \"H100 80GB BF16\", "
+          "\"A100 80GB with 1600 Gbps node-node interconnect (RoCE)\" and \"A100 40GB with 1600 Gbps node-node "
+          "interconnect (RoCE)\"")
+
+MPT_VOCAB = 50368
+MPT = {  # d_model, n_heads, n_layers: llm-foundry scripts/train/yamls/pretrain/mpt-<size>.yaml
+    "125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+    "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+    "70b": (8192, 64, 80),
+}
+"""MPT sizes. Their GPT-2 block (biases, learned positions, 4h MLP, tied
+embeddings) is the estimate's GPT block: the parameter counts are the
+published ones exactly."""
+_A100 = get_cluster("dgx-a100")
+A100_40GB = dataclasses.replace(
+    _A100, name="dgx-a100-40gb",
+    device=dataclasses.replace(_A100.device, name="A100-SXM-40GB", memory=40 * GB, memory_bandwidth=1555 * GB),
+    source="dgx-a100 with the A100 40GB SXM's memory and HBM bandwidth (1,555 GB/s, NVIDIA A100 datasheet); "
+           "MosaicML's 1600 Gb/s per node is the preset's 200 Gb/s per GPU")
+CLUSTERS = {"a100_80gb": _A100, "a100_40gb": A100_40GB, "h100_80gb": get_cluster("dgx-h100")}
+
+
+@dataclass(frozen=True)
+class FsdpRun:
+    """One published run, as its table row gives it."""
+
+    gpu: str
+    model: str
+    seq: int
+    gpus: int
+    microbatch: int
+    global_batch: int
+    checkpointing: bool
+    published_tokens: float
+    """Tokens per second per GPU, as published."""
+    published_params: int
+
+    @property
+    def config(self) -> TransformerConfig:
+        hidden, heads, layers = MPT[self.model]
+        return TransformerConfig(layers, hidden, heads, self.seq, MPT_VOCAB)
+
+    @property
+    def plan(self) -> TrainingPlan:
+        return TrainingPlan(batch=self.global_batch, microbatch=self.microbatch, tp=1, pp=1, dp=self.gpus, zero=3,
+                            recompute=Recompute.FULL if self.checkpointing else Recompute.NONE,
+                            attention=AttentionKernel.FLASH)
+
+
+def load_runs(path: str = CSV) -> list[FsdpRun]:
+    with open(path) as f:
+        return [FsdpRun(r["gpu"], r["model"], int(r["seq"]), int(r["gpus"]), int(r["microbatch"]),
+                        int(r["global_batch"]), r["activation_checkpointing"] == "True",
+                        float(r["tokens_per_s_per_gpu"]), int(r["params"])) for r in csv.DictReader(f)]
+
+
+@dataclass(frozen=True)
+class FsdpResult:
+    run: FsdpRun
+    estimate: StepEstimate
+
+    @property
+    def predicted_tokens(self) -> float:
+        return self.run.global_batch * self.run.seq / self.estimate.step_time_s / self.run.gpus
+
+    @property
+    def error(self) -> float:
+        return self.predicted_tokens / self.run.published_tokens - 1.0
+
+
+def predict_fsdp(runs: list[FsdpRun] | None = None) -> list[FsdpResult]:
+    runs = load_runs() if runs is None else runs
+    return [FsdpResult(r, estimate(r.config, r.plan, CLUSTERS[r.gpu])) for r in runs]
+
+
+def _mape(results: list[FsdpResult]) -> float:
+    return 100 * statistics.mean(abs(r.error) for r in results) if results else float("nan")
+
+
+SHORT = 4096
+"""Sequences up to this length: where attention is a small share of the step."""
+
+
+def summary(results: list[FsdpResult], gpu: str) -> tuple[float, float, float]:
+    """(MAPE at s <= SHORT, MAPE beyond, mean signed error at s <= SHORT), percent."""
+    mine = [r for r in results if r.run.gpu == gpu]
+    short = [r for r in mine if r.run.seq <= SHORT]
+    return (_mape(short), _mape([r for r in mine if r.run.seq > SHORT]),
+            100 * statistics.mean(r.error for r in short))
+
+
+def fsdp_section(results: list[FsdpResult]) -> list[str]:
+    """The report's lines: one grid of mean errors (model x sequence length) per GPU."""
+    seqs = sorted({r.run.seq for r in results})
+    out = [
+        "### Out of sample: FSDP on A100 and H100 (MosaicML)",
+        "",
+        f"{len(results)} runs of MosaicML's MPT models ({SOURCE}; `benchmarks/fsdp_runs.py`, the rows in",
+        "benchmarks/data/mosaicml_mpt_throughput.csv): PyTorch FSDP with full sharding (`--zero 3`, data parallel",
+        "only) on 8 to 128 GPUs, bf16, the Triton FlashAttention kernel, activation checkpointing as each row",
+        "states (`--recompute full`), the published microbatch and global batch. Predicted against published",
+        "tokens per second per GPU, on the `dgx-a100` and `dgx-h100` presets with the constants above (the",
+        f"A100 40GB: {A100_40GB.source}); nothing was fitted to these runs. Each cell is the error of one",
+        "run, or the mean of the runs that differ only in GPU count.",
+        "",
+    ]
+    for gpu in CLUSTERS:
+        mine = [r for r in results if r.run.gpu == gpu]
+        if not mine:
+            continue
+        short, long, signed = summary(results, gpu)
+        out += [f"{gpu} ({len(mine)} runs, cluster `{CLUSTERS[gpu].name}`): MAPE **{short:.1f}%** at s <= {SHORT} "
+                f"(mean signed {signed:+.1f}%), **{long:.1f}%** beyond.", "",
+                "| model | " + " | ".join(f"s={s}" for s in seqs) + " |",
+                "|---|" + "---:|" * len(seqs)]
+        for model in MPT:
+            cells = []
+            for s in seqs:
+                errs = [r.error for r in mine if r.run.model == model and r.run.seq == s]
+                cells.append(f"{100 * statistics.mean(errs):+.0f}%" if errs else "")
+            if any(cells):
+                out.append(f"| {model} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def speedups(results: list[FsdpResult]) -> list[tuple[str, int, float, float]]:
+    """(model, seq, published, predicted) H100 / A100 throughput of runs on 8
+    GPUs of each kind with the same model, sequence length and checkpointing."""
+    a100 = {(r.run.model, r.run.seq, r.run.checkpointing): r for r in results
+            if r.run.gpu == "a100_80gb" and r.run.gpus == 8}
+    out = []
+    for r in results:
+        twin = a100.get((r.run.model, r.run.seq, r.run.checkpointing))
+        if r.run.gpu == "h100_80gb" and r.run.gpus == 8 and twin:
+            out.append((r.run.model, r.run.seq, r.run.published_tokens / twin.run.published_tokens,
+                        r.predicted_tokens / twin.predicted_tokens))
+    return out
+
+
+def scaling(results: list[FsdpResult]) -> list[tuple[FsdpRun, float, float]]:
+    """(run, published, predicted) throughput per GPU of each multi-node run
+    over the 8-GPU run of the same GPU, model, sequence length, microbatch
+    and checkpointing."""
+    key = lambda r: (r.run.gpu, r.run.model, r.run.seq, r.run.microbatch, r.run.checkpointing)  # noqa: E731
+    one_node = {key(r): r for r in results if r.run.gpus == 8}
+    out = []
+    for r in results:
+        base = one_node.get(key(r))
+        if r.run.gpus > 8 and base:
+            out.append((r.run, r.run.published_tokens / base.run.published_tokens,
+                        r.predicted_tokens / base.predicted_tokens))
+    return out
+
+
+def discussion(results: list[FsdpResult]) -> list[str]:
+    pairs = speedups(results)
+    scale = scaling(results)
+    worst = min(scale, key=lambda x: x[1])
+    long_a100 = [r.error for r in results if r.run.gpu == "a100_80gb" and r.run.seq >= 32768]
+    pub, pred = [p[2] for p in pairs], [p[3] for p in pairs]
+    return [
+        "Three findings. (1) On the A100 at sequences up to 4,096 tokens, where the GEMMs dominate, FSDP's",
+        "throughput is predicted about as well as Megatron-LM's, from 125M to 70B parameters and with or",
+        "without checkpointing. (2) Beyond that the prediction grows too fast with the sequence length",
+        f"({100 * min(long_a100):+.0f}% to {100 * max(long_a100):+.0f}% at 32K-64K tokens on the A100): the estimate "
+        "prices FlashAttention-2 (its GEMMs at the device's GEMM efficiency, plus the exponentials at the SFU",
+        "rate), while these runs used the Triton kernel of FlashAttention's first generation, which Dao",
+        "(FlashAttention-2, 2023) puts at 25-40% of the A100's peak against 50-73% for FlashAttention-2. The",
+        "estimate has no separate efficiency per attention kernel; a fitted one would be tuned to this table.",
+        f"(3) The H100 is predicted {summary(results, 'h100_80gb')[2]:+.0f}% fast on average even at short "
+        f"sequences. Measured, the same runs went {min(pub):.2f}-{max(pub):.2f}x faster on 8 H100s than on 8 A100s "
+        f"({len(pairs)} pairs); the",
+        f"model says {min(pred):.2f}-{max(pred):.2f}x, close to the 3.17x of the datasheet peaks, because the "
+        "`dgx-h100` preset reuses the A100's",
+        "fitted GEMM and memory fractions (docs/clusters.md says so). In this 2023 PyTorch stack the H100 reached",
+        "a smaller fraction of its peak than the A100 did; until an H100 is calibrated (`autopar calibrate`, or",
+        "`benchmarks/gpu_check.sh`) or its fractions are fitted to a published H100 table, predictions on the",
+        "`dgx-h100` and `h200` presets are optimistic by about that much for software of that generation.",
+        f"(4) Across nodes ({len(scale)} runs on 16 to 128 GPUs, each against the 8-GPU run with the same "
+        "model, sequence and microbatch), the "
+        f"published per-GPU throughput moves by {100 * (min(x[1] for x in scale) - 1):+.0f}% to "
+        f"{100 * (max(x[1] for x in scale) - 1):+.0f}% and the predicted by "
+        f"{100 * (min(x[2] for x in scale) - 1):+.0f}% to {100 * (max(x[2] for x in scale) - 1):+.0f}%: the",
+        "model hides ZeRO-3's gathers and reductions under the compute on these 1600 Gb/s nodes, which the runs",
+        "mostly bear out; it does not see the few percent the smallest models lose per doubling of GPUs, nor",
+        f"the worst case, {worst[0].model} on {worst[0].gpus} {worst[0].gpu} with a microbatch of "
+        f"{worst[0].microbatch} ({100 * (worst[1] - 1):+.0f}% published, {100 * (worst[2] - 1):+.0f}% predicted).",
+    ]
