@@ -114,10 +114,10 @@ class Device:
     FlashAttention evaluates one exponential per score element it computes
     in forward and again in backward, and FlashAttention-2 does not overlap
     them with its GEMMs, so at long sequences they add to the kernel's time
-    (compute.op_time's ``special`` term, which ``autopar estimate``'s
-    FlashAttention kernel passes; compiled plans do not yet). 0 where not
-    modelled (CPU ranks, whose exp is measured per element in
-    ``element_time``)."""
+    (compute.op_time's ``special`` term: ``autopar estimate``'s
+    FlashAttention kernel and a compiled plan's scaled_dot_product_attention
+    alike). 0 where not modelled (CPU ranks, whose exp is measured per
+    element in ``element_time``)."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more

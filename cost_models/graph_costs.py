@@ -67,6 +67,16 @@ def op_flops(node: Node) -> float:
     return float(numel)
 
 
+def op_special(node: Node) -> float:
+    """Special-function evaluations of one op on global shapes: fused
+    attention's exponentials, one per score element (QK^T's B H Sq Sk)."""
+    info = node.info
+    if info is None or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+        return 0.0
+    q, k = info.inputs[0].shape, info.inputs[1].shape
+    return float(math.prod(q[:-1]) * k[-2])
+
+
 def op_bytes(node: Node) -> float:
     info = node.info
     if info is None:
@@ -132,7 +142,7 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     nbytes = sum(ctx.tensor_bytes(m) for m in metas)
     op, elements = op_name(node), max(math.prod(m.shape) for m in metas) / work
     fwd = op_time(op_flops(node) / work, nbytes / work, dev, dtype, matmul=matmul,
-                  measured=dev.element_seconds(op, elements))
+                  measured=dev.element_seconds(op, elements), special=op_special(node) / work)
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
     # about one pass over the same data, at their own measured rate if any.
     bwd = 0.0

@@ -111,6 +111,24 @@ def test_fused_attention_waits_on_its_exponentials():
     assert op_time(1e12, 1e6, none, "bf16", matmul=True, special=1e10) == pytest.approx(plain)
 
 
+def test_compiled_attention_counts_one_exponential_per_score():
+    """A compiled plan prices scaled_dot_product_attention with the same
+    op_time term as the estimate's FlashAttention: B H Sq Sk exponentials."""
+    from autopar.cost_models.graph_costs import op_special
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 32, 8)
+    graph = _captured(Attention(), q, k, k.clone(), torch.randn(2, 4, 16, 8))
+    sdpa = [n for n in graph.nodes.values() if op_special(n) > 0]
+    assert len(sdpa) == 1 and op_special(sdpa[0]) == 2 * 4 * 16 * 32
+    fast = _compute(graph, _with_device(A100, special_function_rate=1e30))[sdpa[0].name][0]
+    slow = _compute(graph, _with_device(A100, special_function_rate=1e9))[sdpa[0].name][0]
+    assert slow - fast == pytest.approx(2 * 4 * 16 * 32 / 1e9, rel=1e-6)
+
+
 def _captured(model, *inputs):
     import torch
     from autopar.capture import capture
