@@ -35,8 +35,8 @@ MPT = {  # d_model, n_heads, n_layers: llm-foundry scripts/train/yamls/pretrain/
     "70b": (8192, 64, 80),
 }
 """MPT sizes. Their GPT-2 block (biases, learned positions, 4h MLP, tied
-embeddings) is the estimate's GPT block: the parameter counts are the
-published ones exactly."""
+embeddings) is the estimate's GPT block, without dropout (MPT's p defaults
+to 0): the parameter counts are the published ones exactly."""
 _A100 = get_cluster("dgx-a100")
 A100_40GB = dataclasses.replace(
     _A100, name="dgx-a100-40gb",
@@ -64,7 +64,7 @@ class FsdpRun:
     @property
     def config(self) -> TransformerConfig:
         hidden, heads, layers = MPT[self.model]
-        return TransformerConfig(layers, hidden, heads, self.seq, MPT_VOCAB)
+        return TransformerConfig(layers, hidden, heads, self.seq, MPT_VOCAB, no_dropout=True)
 
     @property
     def plan(self) -> TrainingPlan:
@@ -183,10 +183,13 @@ def discussion(results: list[FsdpResult]) -> list[str]:
     pairs = speedups(results)
     scale = scaling(results)
     worst = min(scale, key=lambda x: x[1])
+    over = [r.estimate.peak_memory_bytes / r.estimate.memory_capacity_bytes - 1 for r in results
+            if not r.estimate.fits_in_memory]
+    over_by = lambda f: f"{100 * f(over):.1f}"  # noqa: E731
     long_a100 = [r.error for r in results if r.run.gpu == "a100_80gb" and r.run.seq >= 32768]
     pub, pred = [p[2] for p in pairs], [p[3] for p in pairs]
     return [
-        "Three findings. (1) On the A100 at sequences up to 4,096 tokens, where the GEMMs dominate, FSDP's",
+        "Findings. (1) On the A100 at sequences up to 4,096 tokens, where the GEMMs dominate, FSDP's",
         "throughput is predicted about as well as Megatron-LM's, from 125M to 70B parameters and with or",
         "without checkpointing. (2) Beyond that the prediction grows too fast with the sequence length",
         f"({100 * min(long_a100):+.0f}% to {100 * max(long_a100):+.0f}% at 32K-64K tokens on the A100): the estimate "
@@ -212,4 +215,7 @@ def discussion(results: list[FsdpResult]) -> list[str]:
         "mostly bear out; it does not see the few percent the smallest models lose per doubling of GPUs, nor",
         f"the worst case, {worst[0].model} on {worst[0].gpus} {worst[0].gpu} with a microbatch of "
         f"{worst[0].microbatch} ({100 * (worst[1] - 1):+.0f}% published, {100 * (worst[2] - 1):+.0f}% predicted).",
+        f"(5) Memory: every run ran, so each fitted its GPU; the estimate's peak fits for {len(results) - len(over)} "
+        f"of the {len(results)}" + (f", and the other {len(over)} it puts {over_by(min)}-{over_by(max)}% over "
+                                     "the capacity." if over else "."),
     ]

@@ -39,6 +39,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     model.add_argument("--swiglu", action="store_true", help="Llama block: SwiGLU MLP, no biases, no dropout")
     model.add_argument("--untied-embeddings", action="store_true",
                        help="the output layer has its own weights (Llama 2/3), not the word embeddings")
+    model.add_argument("--no-dropout", action="store_true",
+                       help="GPT block trained without dropout (p = 0: MPT, GPT-NeoX, Pythia)")
     model.add_argument("--seq", type=_positive_int, required=True)
     model.add_argument("--vocab", type=_positive_int, required=True)
     plan = ap.add_argument_group("plan")
@@ -73,7 +75,7 @@ def estimate_from_args(args: argparse.Namespace) -> StepEstimate:
     model = TransformerConfig(
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, swiglu=args.swiglu,
-        untied_embeddings=args.untied_embeddings)
+        untied_embeddings=args.untied_embeddings, no_dropout=args.no_dropout)
     plan = TrainingPlan(
         batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
         virtual_stages=args.virtual_stages, first_stage_layers=args.first_stage_layers,

@@ -78,6 +78,10 @@ class TransformerConfig:
     ``--untie-embeddings-and-output-weights``) instead of reusing the word
     embeddings (GPT, Megatron's default): V h more parameters, and without
     pipelining a second V h on the one stage."""
+    no_dropout: bool = False
+    """A GPT block without dropout (MPT, GPT-NeoX and Pythia train with p = 0,
+    which PyTorch skips): no masks written, kept or read. The Llama block has
+    none either way."""
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -117,7 +121,7 @@ class TransformerConfig:
 
     @property
     def dropout(self) -> bool:
-        return not self.swiglu
+        return not (self.swiglu or self.no_dropout)
 
     @property
     def biases(self) -> bool:

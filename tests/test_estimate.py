@@ -44,6 +44,23 @@ def test_parameter_count_matches_megatron_formula():
     assert GPT_1T.parameters() == pytest.approx(formula, rel=1e-6)  # we also count the final layer norm
 
 
+def test_no_dropout_drops_the_masks_and_their_traffic(capsys):
+    """A GPT block trained with p = 0 (MPT, GPT-NeoX) keeps no dropout masks:
+    2 s b h bytes less per layer (the two residual dropouts, one byte per
+    element), less streaming time, the same parameters; `--no-dropout` says so."""
+    gpt = TransformerConfig(layers=4, hidden=1024, heads=8, seq=2048, vocab=51200)
+    mpt = dataclasses.replace(gpt, no_dropout=True)
+    plan = TrainingPlan(batch=8, microbatch=2, tp=1, pp=1, dp=1)
+    s, b, h = gpt.seq, plan.microbatch, gpt.hidden
+    assert layer_activation_bytes(gpt, plan) - layer_activation_bytes(mpt, plan) == 2 * s * b * h
+    with_masks, without = estimate(gpt, plan, A100), estimate(mpt, plan, A100)
+    assert without.time.compute_s < with_masks.time.compute_s and without.parameters == with_masks.parameters
+    args = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--seq", "2048", "--vocab", "51200", "--batch", "8",
+            "--microbatch", "2", "--tp", "1", "--pp", "1", "--dp", "1", "--cluster", "dgx-a100", "--json"]
+    assert estimate_main(args + ["--no-dropout"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(without.step_time_s)
+
+
 @pytest.mark.parametrize("layers, hidden, heads, kv_heads, ffn, vocab, count", [
     (32, 4096, 32, 32, 11008, 32000, 6_738_415_616),  # Llama 2 7B
     (32, 4096, 32, 8, 14336, 128256, 8_030_261_248),  # Llama 3 8B
@@ -253,8 +270,9 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
     its tokens per second by MosaicML's own formula, its global batch is
     microbatch x accumulation x GPUs, and the MPT model written for it has
     the published parameter count exactly. On both A100s at s <= 4096 the
-    estimate stays within 15% MAPE (10.2% and 10.7% when written down); the
-    report names the H100's gap rather than hiding it."""
+    estimate stays within 15% MAPE (10.4% and 11.0% when written down), and
+    its memory fits nearly every run (all ran: 187 of 191 fit, the rest
+    within 2%); the report names the H100's gap rather than hiding it."""
     import csv
     fsdp = _validation_module("fsdp_runs")
     runs = fsdp.load_runs()
@@ -272,6 +290,9 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
     results = fsdp.predict_fsdp(runs)
     for gpu in ("a100_80gb", "a100_40gb"):
         assert fsdp.summary(results, gpu)[0] <= 15.0
+    over = [r.estimate.peak_memory_bytes / r.estimate.memory_capacity_bytes for r in results
+            if not r.estimate.fits_in_memory]
+    assert len(over) <= 0.05 * len(results) and max(over, default=1.0) < 1.05  # they all ran
     text = "\n".join(fsdp.fsdp_section(results) + fsdp.discussion(results))
     assert "h100_80gb (52 runs" in text and "faster on 8 H100s than on 8 A100s" in text
 
