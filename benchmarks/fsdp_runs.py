@@ -87,7 +87,7 @@ class FsdpResult:
 
     @property
     def predicted_tokens(self) -> float:
-        return self.run.global_batch * self.run.seq / self.estimate.step_time_s / self.run.gpus
+        return self.estimate.tokens_per_s_per_gpu
 
     @property
     def error(self) -> float:

@@ -107,6 +107,7 @@ def format_estimate(est: StepEstimate, cluster: str) -> str:
         ("parameters", f"{est.parameters / 1e9:.2f} B"),
         *([("layers per stage", _stage_layers(est.stage_layers))] if len(set(est.stage_layers)) > 1 else []),
         ("step time", _seconds(step)),
+        ("tokens/s per GPU", f"{est.tokens_per_s_per_gpu:,.0f}"),
         ("TFLOP/s per GPU", f"{est.tflops_per_gpu:.1f} model, {est.hardware_tflops_per_gpu:.1f} with recomputation"),
         ("MFU", f"{est.mfu:.1%}"),
         ("", ""),

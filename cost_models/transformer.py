@@ -114,6 +114,8 @@ class StepEstimate:
 
     step_time_s: float
     """Seconds per step."""
+    tokens_per_s_per_gpu: float
+    """Training tokens per second per GPU (global batch x sequence / step time / GPUs)."""
     tflops_per_gpu: float
     """Achieved model TFLOP/s per GPU (72-coefficient FLOPs: no recomputation counted)."""
     hardware_tflops_per_gpu: float
@@ -653,6 +655,7 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
     n = plan.world
     return StepEstimate(
         step_time_s=step,
+        tokens_per_s_per_gpu=plan.batch * model.seq / step / n,
         tflops_per_gpu=model_flops / step / n / 1e12,
         hardware_tflops_per_gpu=hardware_flops / step / n / 1e12,
         mfu=model_flops / step / n / cluster.device.flops(plan.precision.value),

@@ -435,6 +435,7 @@ def test_estimate_json_keys(capsys):
     assert set(out["time"]) >= {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "total_s"}
     assert out["time"]["total_s"] == pytest.approx(out["step_time_s"])
     assert 0 < out["mfu"] < 1 and out["peak_memory_bytes"] > 0
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(64 * 2048 / out["step_time_s"] / 16)
 
 
 def test_estimate_table_and_llama_flags(capsys):
