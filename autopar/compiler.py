@@ -96,7 +96,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             return hit
     with phases("strategies"):
         strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
-        notes = _divisibility_warnings(graph, strategies, mesh)
+        notes = _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
     with phases("cluster"):
         if opt_level not in (1, 2):
             raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
@@ -317,6 +317,15 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> di
             valid = [fmt_spec(s.output) for s in strategies[name]]
             raise AutoparError(f"cannot pin {fqn} to {text}: valid placements for it are {valid}")
     return pins
+
+
+def _cluster_caveat(cluster) -> list[str]:
+    """What the cluster description says its numbers get wrong (Cluster.caveat)."""
+    if not cluster.caveat:
+        return []
+    msg = f"cluster {cluster.name}: {cluster.caveat}"
+    warnings.warn("autopar: " + msg, stacklevel=3)
+    return [msg]
 
 
 def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:

@@ -98,6 +98,15 @@ def test_op_time_is_a_roofline():
     assert memory_bound == pytest.approx(dev.op_latency + 1e9 / (2039e9 * dev.memory_efficiency))
 
 
+def test_presets_with_borrowed_efficiencies_say_so():
+    """The A100's efficiencies are fitted on it; the H100, H200 and V100
+    presets reuse them, and their caveat says that and what it has cost."""
+    assert get_cluster("dgx-a100").caveat == "" and get_cluster("cpu").caveat == ""
+    for name in ("dgx-h100", "h200", "p3.16xlarge"):
+        assert get_cluster(name).caveat.startswith("its GEMM and memory efficiencies are the A100's fit")
+    assert "no published V100 run" in get_cluster("p3.16xlarge").caveat
+
+
 def test_fused_attention_waits_on_its_exponentials():
     """A GEMM kernel's special-function evaluations add at the SFU rate: 16
     per SM per clock, 3.9e12/s on an H100 (the FlashAttention-3 paper's
@@ -264,6 +273,7 @@ def _valid_cluster() -> dict:
     (lambda c: c["device"].update(collective_overhead=-1e-3), r"collective_overhead \(s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(input_overhead=float("nan")), r"input_overhead \(s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(step_overhead=-1e-3), r"step_overhead \(s\) must be a finite number >= 0, got -0.001"),
+    (lambda c: c.update(caveat=3), r"caveat must be a string, got 3"),
     (lambda c: c["device"].update(special_function_rate=-1.0), r"special_function_rate \(1/s\) must be a finite number >= 0"),
     (lambda c: c["device"].update(element_time={"tanh": 4e-9}), r"element_time\['tanh'\] must be \[forward seconds, "
                                                                  r"backward seconds\] per element, got 4e-09"),

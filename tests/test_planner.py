@@ -208,6 +208,15 @@ def test_dimension_no_axis_divides_is_warned():
     assert plan.parameters["weight"]["placements"] == ["R"]
 
 
+def test_a_clusters_caveat_is_warned_and_kept_in_the_plan():
+    """A preset whose numbers are borrowed (the V100's efficiencies are the
+    A100's fit) says so when it prices a plan, and the plan keeps the warning."""
+    model = nn.Linear(8, 8)
+    with pytest.warns(UserWarning, match=r"cluster p3.16xlarge: its GEMM and memory efficiencies are the A100's"):
+        plan = autopar.compile(model, (torch.randn(4, 8),), mesh=2, cluster="p3.16xlarge")
+    assert any(w.startswith("cluster p3.16xlarge: ") for w in plan.warnings)
+
+
 def test_autoparallelize_outside_torchrun_shows_the_command(monkeypatch):
     from mlp import make
     monkeypatch.delenv("RANK", raising=False)
