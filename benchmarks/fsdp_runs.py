@@ -202,7 +202,7 @@ def discussion(results: list[FsdpResult]) -> list[str]:
         f"({len(pairs)} pairs); the",
         f"model says {min(pred):.2f}-{max(pred):.2f}x, close to the 3.17x of the datasheet peaks, because the "
         "`dgx-h100` preset reuses the A100's",
-        "fitted GEMM and memory fractions (docs/clusters.md says so). In this 2023 PyTorch stack the H100 reached",
+        "fitted GEMM and memory fractions (its caveat warns so). In this 2023 PyTorch stack the H100 reached",
         "a smaller fraction of its peak than the A100 did; until an H100 is calibrated (`autopar calibrate`, or",
         "`benchmarks/gpu_check.sh`) or its fractions are fitted to a published H100 table, predictions on the",
         "`dgx-h100` and `h200` presets are optimistic by about that much for software of that generation.",
