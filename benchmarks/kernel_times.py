@@ -112,8 +112,10 @@ def measure(kernel: Kernel, dtype: torch.dtype, device: torch.device, repeats: i
 
 def predict(kernel: Kernel, cluster: Cluster, precision: str) -> tuple[float, float]:
     dev = cluster.device
-    return (op_time(kernel.fwd_flops, kernel.fwd_bytes, dev, precision, matmul=True, special=kernel.special),
-            op_time(kernel.bwd_flops, kernel.bwd_bytes, dev, precision, matmul=True, special=kernel.special))
+    return (kernel.slowdown * op_time(kernel.fwd_flops, kernel.fwd_bytes, dev, precision, matmul=True,
+                                      special=kernel.special),
+            kernel.slowdown * op_time(kernel.bwd_flops, kernel.bwd_bytes, dev, precision, matmul=True,
+                                      special=kernel.special))
 
 
 def rows(shapes, cluster: Cluster, device: torch.device, repeats: int) -> list[dict]:

@@ -389,7 +389,7 @@ BORROWED_EFFICIENCIES = (
     "its GEMM and memory efficiencies are the A100's fit, not measured on this GPU, and `autopar calibrate` on one "
     "measures its own; ")
 H100_CHECKED = (
-    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) they made predictions 36% fast on average, "
+    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) they made predictions 28% fast on average, "
     "against Llama 3 405B within 11% (docs/validation.md)")
 """The caveats of the presets that reuse the A100's fitted fractions."""
 

@@ -61,7 +61,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     plan.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value)
     plan.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=AttentionKernel.FLASH.value,
-                      help="attention kernel (default flash; 'unfused' for Megatron-LM 2021 style)")
+                      help="attention kernel: flash (FlashAttention-2, the default), flash1 (its first generation "
+                           "or Triton port, twice as slow), unfused (Megatron-LM 2021)")
     hw = ap.add_argument_group("hardware")
     hw.add_argument("--cluster", required=True, metavar="NAME",
                     help=f"preset ({', '.join(cluster_names())}) or cluster/profile JSON file")

@@ -49,6 +49,10 @@ GRAD_BUCKET_BYTES = 25e6
 """Gradient bucket size, bytes: torch DDP's default bucket_cap_mb=25."""
 FLASH_CAUSAL_WORK = 0.5
 """Fraction of score blocks a causal FlashAttention kernel computes (the upper triangle is skipped)."""
+FLASH1_SLOWDOWN = 2.0
+"""FlashAttention's first generation takes twice FlashAttention-2's time: "around
+2x speedup compared to FlashAttention" (Dao, FlashAttention-2, 2023, abstract;
+25-40% of the A100's peak against 50-73%)."""
 FLASH_BACKWARD_WORK = 2.5
 """FlashAttention backward / forward matmul work: 5 GEMMs against 2, since the
 backward recomputes QK^T (Dao, FlashAttention-2, 2023, Sec. 3.1.2)."""
@@ -200,6 +204,9 @@ class Kernel:
     """Special-function evaluations of the forward kernel, and again of its
     backward: FlashAttention's exponentials, one per score element computed
     (the backward recomputes the probabilities)."""
+    slowdown: float = 1.0
+    """Time over what the roofline gives it: a kernel generation known to be
+    slower than the one the roofline's constants describe (FLASH1_SLOWDOWN)."""
 
 
 def _gemm(name: str, m: float, k: float, n: float, e: int, batch: float = 1, attention_core: bool = False) -> Kernel:
@@ -259,12 +266,13 @@ def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
     keys and values as they come round the ring."""
     e, s, d = plan.precision.elem_bytes, model.seq, model.head_dim
     heads = plan.microbatch * model.heads // plan.tp  # (sequence, head) pairs on this GPU
-    if plan.attention is AttentionKernel.FLASH:
+    if plan.attention.fused:
         scores = heads * s * s * FLASH_CAUSAL_WORK / plan.cp
         nbytes = float(e) * plan.microbatch * (2 * model.hidden * s / plan.cp + 2 * model.kv_hidden * s) / plan.tp
         shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
+        slowdown = FLASH1_SLOWDOWN if plan.attention is AttentionKernel.FLASH1 else 1.0
         return [Kernel("flash-attention", 4.0 * d * scores, nbytes, FLASH_BACKWARD_WORK * 4.0 * d * scores,
-                       2 * nbytes, True, True, shape, special=scores)]
+                       2 * nbytes, True, True, shape, special=scores, slowdown=slowdown)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
     mask = 1 if model.dropout else 0
@@ -352,8 +360,10 @@ def kernel_times(kernels: list[Kernel], plan: TrainingPlan, cluster: Cluster, re
     """Forward, recomputation and backward seconds of ``kernels``; ``recompute``
     says whether this group is recomputed under the plan's policy at all."""
     device, dtype = cluster.device, plan.precision.value
-    fwd = [op_time(k.fwd_flops, k.fwd_bytes, device, dtype, matmul=k.matmul, special=k.special) for k in kernels]
-    bwd = sum(op_time(k.bwd_flops, k.bwd_bytes, device, dtype, matmul=k.matmul, special=k.special) for k in kernels)
+    fwd = [k.slowdown * op_time(k.fwd_flops, k.fwd_bytes, device, dtype, matmul=k.matmul, special=k.special)
+           for k in kernels]
+    bwd = sum(k.slowdown * op_time(k.bwd_flops, k.bwd_bytes, device, dtype, matmul=k.matmul, special=k.special)
+              for k in kernels)
     rerun = 0.0
     if recompute and plan.recompute is Recompute.FULL:
         rerun = sum(fwd)
@@ -580,7 +590,7 @@ def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompu
     if recompute is Recompute.NONE and plan.attention is AttentionKernel.UNFUSED:
         # softmax output, dropout mask, dropout output
         scores = (e + mask + e * mask) * model.heads * s * s * b / t
-    elif plan.attention is AttentionKernel.FLASH:
+    elif plan.attention.fused:
         scores = 4.0 * model.heads * s * b / t  # fp32 log-sum-exp per row
     return replicated + sharded + scores
 

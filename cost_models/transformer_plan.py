@@ -46,7 +46,16 @@ class AttentionKernel(str, Enum):
     UNFUSED = "unfused"
     """QK^T, softmax, dropout, PV as separate kernels (Megatron-LM 2021)."""
     FLASH = "flash"
-    """One fused kernel that never stores the s x s scores (FlashAttention)."""
+    """FlashAttention-2: one fused kernel that never stores the s x s scores
+    (PyTorch's scaled_dot_product_attention on GPUs, Megatron-Core, TE)."""
+    FLASH1 = "flash1"
+    """FlashAttention's first generation or its Triton port (flash_attn_triton.py
+    of the FlashAttention 1.x package, which MPT's ``attn_impl: triton`` runs):
+    the same fused kernel and memory, at its own speed."""
+
+    @property
+    def fused(self) -> bool:
+        return self is not AttentionKernel.UNFUSED
 
 
 # --- the model and the plan --------------------------------------------------
@@ -278,7 +287,8 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
          f"context parallelism splits each sequence in 2 * cp load-balanced chunks: seq ({model.seq}) must be "
          f"divisible by 2 * cp ({2 * plan.cp})"),
         (plan.cp == 1 or plan.attention is AttentionKernel.FLASH,
-         "context parallelism needs the flash attention kernel (ring attention); --attention unfused has none"),
+         f"context parallelism needs --attention flash (ring attention over FlashAttention-2); "
+         f"--attention {plan.attention.value} has none"),
     ]
     for ok, message in rules:
         if not ok:
