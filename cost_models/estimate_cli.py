@@ -136,9 +136,8 @@ def estimate_main(argv=None) -> int:
     except AutoparError as e:
         print(f"autopar estimate: error: {e}", file=sys.stderr)
         return 2
-    caveat = get_cluster(args.cluster).caveat
-    if caveat:
-        print(f"autopar estimate: warning: cluster {args.cluster}: {caveat}", file=sys.stderr)
+    if est.caveat:
+        print(f"autopar estimate: warning: cluster {args.cluster}: {est.caveat}", file=sys.stderr)
     if not est.fits_in_memory:
         m = est.memory
         print(f"autopar estimate: warning: stage {m.stage} needs {m.total / 2**30:.2f} GiB per GPU, more than the "

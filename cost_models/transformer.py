@@ -142,6 +142,8 @@ class StepEstimate:
     """Model parameters."""
     memory_capacity_bytes: float
     """The device's memory, bytes."""
+    caveat: str = ""
+    """The cluster's caveat (Cluster.caveat): what its numbers are known to get wrong."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -677,4 +679,5 @@ def estimate(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, nod
         context_parallel=plan.cp,
         parameters=model.parameters(),
         memory_capacity_bytes=cluster.device.memory,
+        caveat=cluster.caveat,
     )

@@ -457,6 +457,13 @@ def test_estimate_json_keys(capsys):
     assert out["time"]["total_s"] == pytest.approx(out["step_time_s"])
     assert 0 < out["mfu"] < 1 and out["peak_memory_bytes"] > 0
     assert out["tokens_per_s_per_gpu"] == pytest.approx(64 * 2048 / out["step_time_s"] / 16)
+    assert out["caveat"] == ""  # dgx-a100's efficiencies are its own
+    args = list(ESTIMATE_ARGS)
+    args[args.index("--cluster") + 1] = "dgx-h100"
+    assert estimate_main(args + ["--json"]) == 0
+    captured = capsys.readouterr()
+    caveat = json.loads(captured.out)["caveat"]
+    assert caveat.startswith("its GEMM and memory efficiencies are the A100's") and caveat in captured.err
 
 
 def test_estimate_table_and_llama_flags(capsys):
