@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from autopar.cost_models.calibrate import gpu_preset
 from autopar.cost_models.cluster import Cluster, get_cluster
-from autopar.cost_models.compute import op_time
 from autopar.cost_models.transformer import Kernel, layer_kernels
 from autopar.cost_models.transformer_plan import TrainingPlan, TransformerConfig
 
@@ -111,11 +110,7 @@ def measure(kernel: Kernel, dtype: torch.dtype, device: torch.device, repeats: i
 
 
 def predict(kernel: Kernel, cluster: Cluster, precision: str) -> tuple[float, float]:
-    dev = cluster.device
-    return (kernel.slowdown * op_time(kernel.fwd_flops, kernel.fwd_bytes, dev, precision, matmul=True,
-                                      special=kernel.special),
-            kernel.slowdown * op_time(kernel.bwd_flops, kernel.bwd_bytes, dev, precision, matmul=True,
-                                      special=kernel.special))
+    return kernel.seconds(cluster.device, precision)
 
 
 def rows(shapes, cluster: Cluster, device: torch.device, repeats: int) -> list[dict]:

@@ -228,8 +228,9 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
         props = torch.cuda.get_device_properties(0)
         memory, device_name = float(props.total_memory), props.name
         preset = gpu_preset(props.name)
-        known = dict(get_cluster(preset).device.peak_flops) if preset else None
-        sfu = get_cluster(preset).device.special_function_rate if preset else 0.0
+        datasheet = get_cluster(preset).device if preset else None
+        known = dict(datasheet.peak_flops) if datasheet else None
+        sfu = datasheet.special_function_rate if datasheet else 0.0
     else:
         memory, device_name, known, sfu = _host_memory() / nproc, "cpu-rank", None, 0.0
     load_before = os.getloadavg()[0]

@@ -56,9 +56,8 @@ def op_flops(node: Node) -> float:
     rule = get_rule(node.target)
     if rule is not None and rule.matmul:
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            q, k = info.inputs[0].shape, info.inputs[1].shape
             # QK^T and PV: 2 * (2 * B H Sq Sk D)
-            return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+            return 4.0 * _attention_scores(info) * info.inputs[0].shape[-1]
         contracted = info.inputs[0].shape[-1] if node.target is not torch.ops.aten.addmm.default \
             else info.inputs[1].shape[-1]
         if node.target is torch.ops.aten.baddbmm.default:
@@ -67,14 +66,18 @@ def op_flops(node: Node) -> float:
     return float(numel)
 
 
-def op_special(node: Node) -> float:
-    """Special-function evaluations of one op on global shapes: fused
-    attention's exponentials, one per score element (QK^T's B H Sq Sk)."""
-    info = node.info
-    if info is None or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
-        return 0.0
+def _attention_scores(info) -> float:
+    """Score elements of a fused attention, QK^T's B H Sq Sk (global shapes)."""
     q, k = info.inputs[0].shape, info.inputs[1].shape
     return float(math.prod(q[:-1]) * k[-2])
+
+
+def op_special(node: Node) -> float:
+    """Special-function evaluations of one op on global shapes: fused
+    attention's exponentials, one per score element."""
+    if node.info is None or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+        return 0.0
+    return _attention_scores(node.info)
 
 
 def op_bytes(node: Node) -> float:

@@ -210,6 +210,11 @@ class Kernel:
     """Time over what the roofline gives it: a kernel generation known to be
     slower than the one the roofline's constants describe (FLASH1_SLOWDOWN)."""
 
+    def seconds(self, device, dtype: str) -> tuple[float, float]:
+        """(forward, backward) seconds on ``device`` in compute dtype ``dtype``."""
+        return tuple(self.slowdown * op_time(flops, nbytes, device, dtype, matmul=self.matmul, special=self.special)
+                     for flops, nbytes in ((self.fwd_flops, self.fwd_bytes), (self.bwd_flops, self.bwd_bytes)))
+
 
 def _gemm(name: str, m: float, k: float, n: float, e: int, batch: float = 1, attention_core: bool = False) -> Kernel:
     """(m x k) @ (k x n); the backward is two GEMMs of the same size (input and weight gradients)."""
@@ -361,11 +366,9 @@ class PassTimes:
 def kernel_times(kernels: list[Kernel], plan: TrainingPlan, cluster: Cluster, recompute: bool) -> PassTimes:
     """Forward, recomputation and backward seconds of ``kernels``; ``recompute``
     says whether this group is recomputed under the plan's policy at all."""
-    device, dtype = cluster.device, plan.precision.value
-    fwd = [k.slowdown * op_time(k.fwd_flops, k.fwd_bytes, device, dtype, matmul=k.matmul, special=k.special)
-           for k in kernels]
-    bwd = sum(k.slowdown * op_time(k.bwd_flops, k.bwd_bytes, device, dtype, matmul=k.matmul, special=k.special)
-              for k in kernels)
+    times = [k.seconds(cluster.device, plan.precision.value) for k in kernels]
+    fwd = [f for f, _ in times]
+    bwd = sum(b for _, b in times)
     rerun = 0.0
     if recompute and plan.recompute is Recompute.FULL:
         rerun = sum(fwd)
