@@ -110,7 +110,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         budget = memory if memory is not None else cluster.device.memory
         solution, rc = _solve_with_recompute(
             graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
-            time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned)
+            time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned, notes=notes)
     with phases("plan"):
         chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
         plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, rc)
@@ -170,22 +170,31 @@ RECOMPUTE = ("auto", *MODES)
 
 
 def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, partial: bool = False,
-                          **options) -> tuple:
+                          notes: list, **options) -> tuple:
     """Solve once per recomputation option and keep the fastest plan that fits.
 
     Options (passes/recompute.py): none; selective (in every numbered layer,
     the pieces between parameter uses that free memory more cheaply than the
     whole layer would, Korthikanti et al. 2022); full recomputation of every
     layer (Chen et al. 2016); with ``partial`` also full recomputation of the
-    first half of each layer list. Returns the solution and its Recomputation."""
+    first half of each layer list. Returns the solution and its Recomputation.
+    Under "auto", an option the model's layers cannot take is left out with a
+    warning, appended to ``notes``."""
     if mode not in RECOMPUTE:
         raise AutoparError(f"recompute {mode!r} is not one of {RECOMPUTE}")
     lists = layer_lists(graph)
     half = {(lst, i) for lst, idx in lists.items() for i in idx[: len(idx) // 2]}
     wanted = ("none", "selective", "full") if mode == "auto" else (mode,)
-    choices = {m: recomputation(graph, m, ctx=ctx) for m in wanted}
-    if partial and mode == "auto" and half:
-        choices["partial"] = recomputation(graph, "partial", half, ctx=ctx)
+    choices = {}
+    for m, layers in [(m, None) for m in wanted] + ([("partial", half)] if partial and mode == "auto" and half else []):
+        try:
+            choices[m] = recomputation(graph, m, layers, ctx=ctx)
+        except AutoparError as e:
+            if mode != "auto":
+                raise
+            msg = f"recompute {m!r} is not an option for this model; the plan is chosen without it: {e}"
+            warnings.warn("autopar: " + msg, stacklevel=3)
+            notes.append(msg)
     seen, tried = set(), []
     for name, rc in choices.items():  # an option that names the same regions as an earlier one is not solved twice
         if rc.regions in seen:

@@ -108,19 +108,30 @@ def from_plan(graph: Graph, recompute: dict) -> Recomputation:
 
 
 def _layer_runs(graph: Graph, layers: set) -> list:
-    """Each wanted layer's op nodes in program order; each must be contiguous."""
+    """Each wanted layer's region: the op nodes from its first op to its last,
+    in program order. Ops of no layer between them (the glue a parent's
+    forward runs between a layer's submodules, e.g. a transpose between the
+    modules of a ModuleDict block) belong to the region; another layer's ops
+    there cannot, as one checkpoint would then run two layers."""
     order = [n.name for n in graph.gm.graph.nodes]
-    position = {n: k for k, n in enumerate(order)}
-    runs: dict = {}
-    for name in order:
-        node = graph.nodes.get(name)
-        if node is not None and node.kind is NodeKind.OP and layer_of(node) in layers:
-            runs.setdefault(layer_of(node), []).append(name)
-    for (lst, i), names in runs.items():
-        if position[names[-1]] - position[names[0]] + 1 != len(names):
-            raise AutoparError(f"layer {lst}.{i} is not contiguous in the traced program; it cannot be "
-                               "recomputed as one region (compile with recompute='none')")
-    return [runs[k] for k in sorted(runs)]
+    ops = [n for n in order if n in graph.nodes and graph.nodes[n].kind is NodeKind.OP]
+    span: dict = {}
+    for k, name in enumerate(ops):
+        key = layer_of(graph.nodes[name])
+        if key in layers:
+            span[key] = (span.get(key, (k, k))[0], k)
+    runs = []
+    for key in sorted(span):
+        first, last = span[key]
+        run = ops[first:last + 1]
+        others = sorted({layer_of(graph.nodes[n]) for n in run} - {key, None})
+        if others:
+            lst, i = key
+            raise AutoparError(f"layer {lst}.{i} is interleaved in the traced program with "
+                               f"{', '.join(f'{a}.{b}' for a, b in others)}; one checkpoint cannot hold it "
+                               "(compile with recompute='none')")
+        runs.append(run)
+    return runs
 
 
 def _parameters_and_derived(graph: Graph) -> set:

@@ -41,10 +41,12 @@ def first_error(stderr: str) -> str:
     return "\n".join(lines[start:start + 60]) + "\n...\n" if start is not None else ""
 
 
-def verify(source: str, mesh: str, nproc: int, tmp_path, *, cluster: str = "tests/fixtures/fastnet.json",
+def verify(source: str | list, mesh: str, nproc: int, tmp_path, *, cluster: str = "tests/fixtures/fastnet.json",
            random_plans: int = 1, extra: list | None = None) -> list:
+    """Reports of `python -m autopar.verify` on one model or several (one launch)."""
     out = tmp_path / "report.json"
-    proc = torchrun(["-m", "autopar.verify", source, "--mesh", mesh, "--cluster", cluster,
+    sources = [source] if isinstance(source, str) else source
+    proc = torchrun(["-m", "autopar.verify", *sources, "--mesh", mesh, "--cluster", cluster,
                      "--random-plans", str(random_plans), "--json", str(out), *(extra or [])], nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + first_error(proc.stderr) + proc.stderr[-5000:]
     return json.loads(out.read_text())

@@ -297,3 +297,39 @@ def test_a_gradient_resharded_in_backward_is_part_of_the_consumers_working_set(g
     assert transient((R,), by_batch) == whole  # gathered on dim 0
     assert transient((R,), by_features) == 2 * whole  # stacked, then concatenated
     assert transient((S(2),), by_batch) == whole / 4  # all-to-all into a new shard
+
+
+def test_a_layer_written_in_its_parents_forward_is_one_region_with_its_glue():
+    """An MLP-Mixer whose blocks are ModuleDicts driven by the model's forward:
+    each block's region runs from its first op to its last, taking in the
+    top-level transposes, GELUs and adds between its modules, so full
+    recomputation keeps only the block's input. Two layers run alternately
+    cannot be one checkpoint each: an explicit request says which layers
+    interleave, auto plans without that option and warns."""
+    from autopar.capture import capture
+    from autopar.errors import AutoparError
+    from autopar.passes.cluster import layer_of
+    from autopar.passes.recompute import recomputation
+    ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "fp32")
+    graph = capture(*load_factory("tests/fixtures/gluenet.py:small"))
+    rc = recomputation(graph, "full", ctx=ctx)
+    assert rc.paths == ["blocks.0", "blocks.1"]
+    for i, region in enumerate(rc.regions):
+        glue = [graph.nodes[n].op_name for n in region if layer_of(graph.nodes[n]) is None]
+        assert {"transpose.int", "gelu", "add.Tensor"} <= set(glue), glue
+        assert {layer_of(graph.nodes[n]) for n in region} == {("blocks", i), None}
+    # the checkpoint keeps one tensor per block: its input
+    assert len(rc.kept_inputs) == 2
+    model, inputs, loss = load_factory("tests/fixtures/gluenet.py:small")
+    full = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, recompute="full")
+    none = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, recompute="none")
+    assert full.predicted["memory"]["activations"] < none.predicted["memory"]["activations"]
+
+    model, inputs, loss = load_factory("tests/fixtures/gluenet.py:interleaved")
+    with pytest.raises(AutoparError, match=r"layer a\.0 is interleaved in the traced program with b\.0.*"
+                                           r"recompute='none'"):
+        autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss, recompute="full")
+    with pytest.warns(UserWarning, match="recompute 'full' is not an option for this model"):
+        plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss)
+    assert plan.recompute["mode"] == "none"
+    assert any("recompute 'full' is not an option" in w for w in plan.warnings)
