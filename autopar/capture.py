@@ -45,6 +45,8 @@ class Node:
     info: OpInfo | None = None
     input_index: int = -1
     """Position among the user inputs, for INPUT nodes."""
+    state_update: bool = False
+    """An in-place op on a parameter or buffer (``updates_state``)."""
 
     @property
     def op_name(self) -> str:
@@ -205,6 +207,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             user_index += 1
         else:
             raise AutoparError(f"unsupported graph input kind {k} for {name}")
+    node_kinds = {name: kind for name, (kind, _, _) in kinds.items()}
+    _out_of_place(gm, node_kinds)
     mutated = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
         raise AutoparError(
@@ -222,6 +226,7 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             continue  # checks of metadata export adds (e.g. for .to()); nothing to shard or run
         elif n.op == "call_function":
             nodes[n.name] = _op_node(n, nodes)
+            nodes[n.name].state_update = updates_state(n, node_kinds)
         elif n.op == "output":
             flat = []
             fx.node.map_arg(n.args[0], lambda a: flat.append(a.name))
@@ -231,6 +236,84 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             raise AutoparError(f"unsupported fx node {n.op} {n.target}")
     from torch.utils._pytree import treespec_dumps
     return Graph(nodes, gm, params, buffers, n_inputs, has_loss, treespec_dumps(ep.call_spec.out_spec))
+
+
+def writes_first_input(target) -> bool:
+    """Whether an ATen op updates its first argument in place (``relu_``, ``add_``)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
+def _returns_view(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+def updates_state(n: fx.Node, kinds: dict) -> bool:
+    """An in-place op on a parameter or buffer, directly or through an earlier
+    in-place op on it (``ema.mul_(d).add_(x)``): state that persists across steps."""
+    if n.op != "call_function" or not writes_first_input(n.target):
+        return False
+    first = n.args[0]
+    return (first.op == "placeholder" and kinds.get(first.name) in (NodeKind.PARAM, NodeKind.BUFFER)) \
+        or updates_state(first, kinds)
+
+
+def _out_of_place(gm: fx.GraphModule, kinds: dict) -> None:
+    """In-place ops on activations (``nn.ReLU(inplace=True)``, ``y += x``) become
+    their out-of-place forms, which the sharding rules know and autograd
+    accepts on the runtime's local tensors. That is exact when nothing reads
+    the overwritten tensor afterwards (nor a view of it, nor, for a view, its
+    base); otherwise the model is refused, naming the op. In-place updates of
+    parameters and buffers (state) stay in place (runtime: spmd.state_update)."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+
+    def read_after(t: fx.Node, op: fx.Node, chain: fx.Node) -> list:
+        """Readers of ``t`` (or of a view of it) that run after ``op``."""
+        out = []
+        for u in t.users:
+            if u is chain:
+                continue
+            if order[u] > order[op]:
+                out.append(u)
+            elif _returns_view(u):
+                out += read_after(u, op, chain)
+        return out
+
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not writes_first_input(n.target) or updates_state(n, kinds):
+            continue
+        where = _module_path(n) or "the top level"
+        packet = getattr(torch.ops.aten, n.target._overloadpacket.__name__.rstrip("_"), None)
+        functional = getattr(packet, n.target._overloadname, None)
+        if functional is None:
+            raise AutoparError(f"in-place op {n.target} at {where} has no out-of-place form autopar can run "
+                               "instead: write the model with the out-of-place op")
+        chain, src = n, n.args[0]
+        while True:  # the overwritten tensor, then up through views to their bases
+            readers = read_after(src, n, chain)
+            if readers:
+                raise AutoparError(
+                    f"in-place op {n.target} at {where} overwrites {src.name}, which "
+                    f"{', '.join(u.name for u in readers)} read afterwards; autopar runs in-place ops on "
+                    "activations as their out-of-place forms, exact only when nothing reads the old tensor "
+                    "again: write the model with the out-of-place op (e.g. inplace=False)")
+            if not _returns_view(src):
+                break
+            chain, src = src, src.args[0]
+        n.target = functional
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _op_node(n: fx.Node, nodes: dict) -> Node:

@@ -94,8 +94,10 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.Gr
 
 def regions_label(graph: Graph, names: list) -> str:
     """"blocks_0" for a whole layer, "blocks_0_attn" for a region inside one:
-    the module path its ops share."""
-    return "_".join(os.path.commonprefix([graph.nodes[n].fqn.split(".") for n in names])) or "region"
+    the module path its ops share (ops of the top level, glue between a
+    layer's submodules, name none)."""
+    paths = [graph.nodes[n].fqn.split(".") for n in names if graph.nodes[n].fqn]
+    return "_".join(os.path.commonprefix(paths)) or "region"
 
 
 def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
@@ -165,6 +167,8 @@ class _Emitter:
             mesh = self.plan.mesh
             shape = list(local_shape(node.out.shape, parse_spec(spec, mesh.ndim), mesh.shape))
             new = g.call_function(spmd.reshape, (src.name, src.target, spec, args[0], shape))
+        elif node.state_update:
+            new = g.call_function(spmd.state_update, (src.name, src.target, spec, *args), kwargs)
         else:
             new = g.call_function(spmd.op, (src.name, src.target, spec, *args), kwargs)
         new.name = src.name

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import threading
 import weakref
@@ -29,6 +30,19 @@ from autopar.errors import ShardingError
 from autopar.passes.strategy import fmt_spec, parse_spec
 
 _state = threading.local()
+
+
+class _PlannedPerAxis(logging.Filter):
+    """DTensor warns, on every rank, when a redistribute over several mesh axes
+    runs one collective per axis. In an emitted program that is the plan: the
+    cost model prices a collective per mesh axis, on that axis's link
+    (cost_models/resharding.py), so the hint is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PlannedPerAxis())
 
 
 @contextlib.contextmanager
@@ -348,13 +362,30 @@ def checkpoint(layer, *args):
     identically on every rank) runs again during backward."""
     mesh = _mesh()
 
+    calls = []
+
     def run(*inputs):
         # the recomputation runs in backward, outside the forward's context;
         # a recomputed layer gathers its parameters again anyway (no _Regather)
-        with _scoped("in_checkpoint", True), use_mesh(mesh):
+        calls.append(None)
+        with _scoped("in_checkpoint", True), _scoped("recomputing", len(calls) > 1), use_mesh(mesh):
             return layer(*inputs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+def _recomputing() -> bool:
+    """Whether ops run again in backward (the second run of a checkpoint)."""
+    return bool(getattr(_state, "recomputing", False))
+
+
+def state_update(node: str, fn, spec: str, *args, **kwargs):
+    """An in-place op on a buffer or parameter (a step counter, an EMA): run
+    once per step, not again when its layer is recomputed (the buffer holds
+    what the forward left, which is what the op returns)."""
+    if _recomputing():
+        return args[0]
+    return op(node, fn, spec, *args, **kwargs)
 
 
 def factory(fn, *args, **kwargs):
@@ -440,31 +471,115 @@ def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
 
 
 def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
-    """Training-mode batch norm with the batch (or a spatial dim) split:
-    synchronised statistics (as torch.nn.SyncBatchNorm): the per-channel mean
-    and then the variance of the centred input are all-reduced over the split
-    axes (two all-reduces of C values, inside the op), so every rank normalises
-    with the statistics of the global batch."""
+    """Training-mode batch norm on split inputs.
+
+    The batch (or a spatial dim) split: synchronised statistics (as
+    torch.nn.SyncBatchNorm): the per-channel mean and then the variance of
+    the centred input are all-reduced over the split axes (two all-reduces of
+    C values, inside the op), so every rank normalises with the statistics of
+    the global batch. The channel split: the op on the rank's channels.
+
+    Running statistics (the rule passes the buffers whole) are updated as one
+    device would, momentum-weighted with the batch mean and unbiased
+    variance; with the channels split each rank's update is all-gathered over
+    those axes, so every rank holds every channel's. A recomputation
+    (checkpoint.recomputing) leaves them alone: one update per forward."""
     names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
     a = dict(zip(names, args))
     a.update({k: v for k, v in kwargs.items() if k in names})
-    x = a["input"]
-    split = sorted({axis for axis, p in enumerate(dargs[0].placements) if isinstance(p, Shard) and p.dim != 1})
-    if not a.get("training") or not split or a.get("running_mean") is not None:
+    x, running = a["input"], (a.get("running_mean"), a.get("running_var"))
+    placements = dargs[0].placements
+    split = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim != 1})
+    channels = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 1})
+    tracked = a.get("training") and running[0] is not None
+    if not a.get("training") or not (split or (tracked and (channels or _recomputing()))):
         return fn(*args, **kwargs)
-    dims = [d for d in range(x.ndim) if d != 1]
-    count = math.prod(x.shape[d] for d in dims) * math.prod(mesh.size(axis) for axis in split)
-    shape = [1, x.shape[1]] + [1] * (x.ndim - 2)
-    mean = _reduce_over(x.sum(dims), mesh, split) / count
-    centred = x - mean.view(shape)
-    var = _reduce_over((centred * centred).sum(dims), mesh, split) / count
-    out = centred * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
-    if a.get("weight") is not None:
-        out = out * a["weight"].view(shape)
-    if a.get("bias") is not None:
-        out = out + a["bias"].view(shape)
+    stats_placements = [Shard(0) if axis in channels else Replicate() for axis in range(mesh.ndim)]
+    if tracked:  # this rank's channels of the running statistics, as a copy
+        old = [DTensor.from_local(r, mesh, [Replicate()] * mesh.ndim, run_check=False)
+               .redistribute(mesh, stats_placements).to_local().clone() for r in running]
+    if split:
+        dims = [d for d in range(x.ndim) if d != 1]
+        count = math.prod(x.shape[d] for d in dims) * math.prod(mesh.size(axis) for axis in split)
+        shape = [1, x.shape[1]] + [1] * (x.ndim - 2)
+        mean = _reduce_over(x.sum(dims), mesh, split) / count
+        centred = x - mean.view(shape)
+        var = _reduce_over((centred * centred).sum(dims), mesh, split) / count
+        out = centred * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
+        if a.get("weight") is not None:
+            out = out * a["weight"].view(shape)
+        if a.get("bias") is not None:
+            out = out + a["bias"].view(shape)
+        if tracked:
+            m = a.get("momentum", 0.1)
+            with torch.no_grad():
+                new = [(1 - m) * old[0] + m * mean.detach(),
+                       (1 - m) * old[1] + m * var.detach() * (count / max(count - 1, 1))]
+    else:  # channels split: the op updates this rank's copy
+        local = list(args)
+        local[3:5] = old
+        out = fn(*local, **{k: v for k, v in kwargs.items() if k not in ("running_mean", "running_var")})
+        new = old
+    if tracked and not _recomputing():
+        with torch.no_grad():
+            for buffer, mine in zip(running, new):
+                full = DTensor.from_local(mine, mesh, stats_placements, run_check=False).full_tensor() \
+                    if channels else mine
+                buffer.copy_(full.to(buffer.dtype))
     return out
 
+
+def _shard_seed_index(mesh, out_spec) -> tuple[int, int]:
+    """(index, count) of this rank's shard of an op's output over the mesh
+    axes that split it; ranks of an axis that replicates it share an index."""
+    coord = mesh.get_coordinate()
+    index, count = 0, 1
+    for axis, p in enumerate(out_spec):
+        if isinstance(p, Shard):
+            index, count = index * mesh.size(axis) + coord[axis], count * mesh.size(axis)
+    return index, count
+
+
+def _per_shard_rng(impl):
+    """A random op (dropout, bernoulli, rand_like, attention dropout) on a
+    split tensor. Every rank's generator is in the same state (same seed, same
+    program), so drawing on the local shard would give every shard the same
+    mask: the batch's quarters dropped alike. Each shard draws instead from a
+    generator seeded by one number drawn from the default generator (which
+    advances it identically on every rank, and which checkpoint's recomputation
+    replays) and the shard's index; ranks that replicate the output share the
+    index and so the draw. Statistically one device's independent draws, not
+    its bit pattern."""
+    def run(fn, mesh, out_spec, args, kwargs, dargs):
+        index, count = _shard_seed_index(mesh, out_spec)
+        if count == 1 or not _draws(fn, args, kwargs):
+            return impl(fn, mesh, out_spec, args, kwargs, dargs)
+        seed = int(torch.randint(0, 2**62, (1,)))
+        devices = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=mesh.device_type):
+            torch.manual_seed(seed + (index * 0x9E3779B97F4A7C15) % 2**62)
+            return impl(fn, mesh, out_spec, args, kwargs, dargs)
+    return run
+
+
+def _draws(fn, args, kwargs) -> bool:
+    """Whether the call draws random numbers (attention only with dropout, a
+    dropout only in training with p > 0)."""
+    if fn is torch.ops.aten.scaled_dot_product_attention.default:
+        return (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
+    if fn in _DROPOUTS:
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        train = args[2] if len(args) > 2 else kwargs.get("train", True)
+        return bool(p > 0 and train)
+    return True
+
+
+_DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
+             torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
+             torch.ops.aten.feature_alpha_dropout.default}
+RANDOM_OPS = {*_DROPOUTS, torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.bernoulli.default,
+              torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
+              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype}
 
 LOCAL_IMPLS = {
     torch.ops.aten.embedding.default: _embedding,
@@ -472,3 +587,4 @@ LOCAL_IMPLS = {
     torch.ops.aten.nll_loss.default: _mean_loss,
     torch.ops.aten.batch_norm.default: _batch_norm,
 }
+LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})

@@ -57,6 +57,8 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
         return [Strategy((spec,), spec) for spec in specs]
     rule = get_rule(node.target)
     n_in = len(node.inputs)
+    if node.state_update:  # runs on the buffer where it lives: replicated, the same update on every rank
+        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
     if rule is None:
         where = node.fqn or "the top level"
         log.warning(

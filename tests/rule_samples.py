@@ -35,6 +35,10 @@ class Sample:
     """Compare values (False for ops whose values are undefined, e.g. empty)."""
     frozen: tuple = ()
     """Tensor inputs (by position among the tensors) that never need a gradient, e.g. running stats."""
+    mutated: tuple = ()
+    """Tensor inputs (by position among the tensors) the op updates in place, e.g.
+    running stats in training: after the call each rank's copy must hold the
+    single-device op's update."""
 
     @property
     def id(self) -> str:
@@ -42,8 +46,8 @@ class Sample:
         return f"{op}[{self.name}]" if self.name else op
 
 
-def call(target, *args, name="", values=True, frozen=(), **kwargs) -> Sample:
-    return Sample(target, args, kwargs, name, values, frozen)
+def call(target, *args, name="", values=True, frozen=(), mutated=(), **kwargs) -> Sample:
+    return Sample(target, args, kwargs, name, values, tuple(sorted({*frozen, *mutated})), mutated)
 
 
 X = x(4, 8, 12)
@@ -91,6 +95,14 @@ SAMPLES = [
        name="train_noaffine"),
     call(aten.batch_norm.default, x(8, 4, 6, 6), x(4, seed=1), x(4, seed=2), x(4, seed=3), x(4, seed=4, positive=True),
        False, 0.1, 1e-5, False, name="eval", frozen=(3, 4)),
+    call(aten.batch_norm.default, x(8, 4, 6, 6), x(4, seed=1), x(4, seed=2), x(4, seed=3), x(4, seed=4, positive=True),
+       True, 0.1, 1e-5, False, name="train_running", mutated=(3, 4)),
+    call(aten.binary_cross_entropy.default, torch.sigmoid(X), torch.sigmoid(Y)),
+    call(aten.binary_cross_entropy.default, torch.sigmoid(X), torch.sigmoid(Y), x(4, 8, 12, seed=2, positive=True),
+         2, name="weight_sum", frozen=(2,)),
+    call(aten.binary_cross_entropy_with_logits.default, X, torch.sigmoid(Y)),
+    call(aten.binary_cross_entropy_with_logits.default, X, torch.sigmoid(Y), None, x(12, seed=2, positive=True),
+         name="pos_weight", frozen=(2,)),
     call(aten.bitwise_not.default, mask(4, 8)),
     call(aten.bmm.default, x(4, 8, 16), x(4, 16, 12, seed=1)),
     call(aten.broadcast_tensors.default, [X, x(12, seed=1)]),
@@ -166,6 +178,7 @@ SAMPLES = [
     call(aten.gather.default, X, 1, idx(4, 3, 12, high=8), name="short_index"),
     call(aten.group_norm.default, x(8, 8, 6, 6), 4, x(8, seed=1), x(8, seed=2), 1e-5),
     call(aten.gt.Scalar, X, 0.1),
+    call(aten.huber_loss.default, X, Y, 1, 0.5),
     call(aten.l1_loss.default, X, Y),
     call(aten.l1_loss.default, X, Y, 0, name="none"),
     call(aten.layer_norm.default, X, [12], x(12, seed=1), x(12, seed=2), 1e-5),
@@ -239,6 +252,9 @@ SAMPLES = [
     call(aten.sin.default, X),
     call(aten.slice.Tensor, X, 2, 0, 6),
     call(aten.slice.Tensor, X, -1, 6, 12, name="neg_dim"),
+    call(aten.smooth_l1_loss.default, X, Y),
+    call(aten.smooth_l1_loss.default, X, Y, 0, 0.5, name="none"),
+    call(aten.soft_margin_loss.default, X, torch.sign(Y), frozen=(1,)),
     call(aten.softmax.int, X, -1),
     call(aten.split.Tensor, X, 4, -1),
     call(aten.split_with_sizes.default, X, [4, 8], 2),
@@ -264,6 +280,16 @@ SAMPLES = [
     call(aten.unbind.int, X, 0),
     call(aten.unflatten.int, X, 2, [3, 4]),
     call(aten.unsqueeze.default, X, 1),
+    call(aten.upsample_bicubic2d.vec, x(2, 4, 6, 6), None, False, [2.0, 2.0]),
+    call(aten.upsample_bilinear2d.vec, x(2, 4, 6, 6), [9, 9], True, None),
+    call(aten.upsample_linear1d.vec, x(2, 4, 6), None, False, [1.5]),
+    call(aten.upsample_nearest1d.vec, x(2, 4, 6), [12], None),
+    call(aten.upsample_nearest2d.vec, x(2, 4, 6, 6), None, [2.0, 2.0]),
+    call(aten.upsample_nearest3d.vec, x(2, 4, 3, 4, 4), None, [2.0, 2.0, 2.0]),
+    call(aten.upsample_trilinear3d.vec, x(2, 4, 3, 4, 4), None, False, [2.0, 2.0, 2.0]),
+    call(aten._upsample_nearest_exact1d.vec, x(2, 4, 6), None, [2.0]),
+    call(aten._upsample_nearest_exact2d.vec, x(2, 4, 6, 6), None, [2.0, 2.0]),
+    call(aten._upsample_nearest_exact3d.vec, x(2, 4, 3, 4, 4), None, [2.0, 2.0, 2.0]),
     call(aten.view.default, X, [4, 96]),
     call(aten.where.self, mask(8, 12), X, x(12, seed=1)),
     call(aten.zeros.default, [4, 8]),

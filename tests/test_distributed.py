@@ -41,10 +41,20 @@ def test_local_batches_from_each_rank(tmp_path):
 
 def test_recomputed_layers_with_sharded_parameters(tmp_path):
     """Every block under activation checkpointing (its reshards, including the
-    parameter all-gathers, run again in backward), parameters sharded."""
-    reports = verify("examples/gpt.py:small", "2x2", 4, tmp_path, random_plans=0, extra=["--recompute", "full"])
-    assert reports[0]["plan"]["recompute"] == ["blocks.0", "blocks.1"]
-    assert any(set(p) != {"R"} for p in reports[0]["plan"]["parameters"].values())
+    parameter all-gathers, run again in backward), parameters sharded; also
+    blocks whose forward the model writes around their modules (the region
+    takes in the glue ops, tests/fixtures/gluenet.py) and blocks that update
+    buffers in place (batch norm's running statistics, an EMA: once per step,
+    not again when recomputed; tests/fixtures/stateful.py), which the check
+    compares with the single device's after the steps."""
+    sources = ["examples/gpt.py:small", "tests/fixtures/gluenet.py:small", "tests/fixtures/stateful.py:small"]
+    reports = verify(sources, "2x2", 4, tmp_path, random_plans=0, extra=["--recompute", "full"])
+    assert [r["source"] for r in reports] == sources
+    stateful = reports[2]
+    assert {"steps", "blocks.0.ema", "blocks.1.norm.running_var"} <= set(stateful["param_by_name"])
+    for r in reports:
+        assert r["plan"]["recompute"] == ["blocks.0", "blocks.1"], r["label"]
+        assert any(set(p) != {"R"} for p in r["plan"]["parameters"].values()), r["label"]
     assert_agrees(reports)
 
 

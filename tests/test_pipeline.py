@@ -372,3 +372,13 @@ def test_pipeline_times_data_times_tensor_parallel_on_eight_ranks(tmp_path):
     assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert r["plan"]["sent"] and all("S(" in spec for spec in r["plan"]["sent"].values()), r["plan"]
     assert r["deferred_reductions"] > 0 and r["zero1_parameters"]
+
+
+def test_batch_norm_over_microbatches_is_warned_and_kept_in_the_plan():
+    """Training-mode batch norm normalises each microbatch by its own
+    statistics: a pipelined plan with several microbatches says so."""
+    model, inputs, loss_fn = load_factory("examples/resnet.py:small")
+    with pytest.warns(UserWarning, match=r"batch norm in training mode \(stem_bn, blocks\.0\.bn1, blocks\.0\.bn2, "
+                                         r"\.\.\.\) normalises each of the 2 microbatches with its own statistics"):
+        plan = compile_pipelined(model, inputs, mesh="pp=2", cluster=FAST, loss_fn=loss_fn, microbatches=2)
+    assert any("normalises each of the 2 microbatches" in w for w in plan.warnings)

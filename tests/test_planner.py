@@ -83,7 +83,8 @@ def test_resnet_large_batch_is_data_parallel_with_synchronised_batch_norm():
     plan = autopar.compile(model, (images, labels), mesh=4, cluster="dgx-a100",
                            loss_fn=torch.nn.functional.cross_entropy)
     norms = [n for n in plan.nodes if n.op == "batch_norm"]
-    assert norms and all(n.strategy == "(S(0), R, R) -> S(0)" for n in norms)
+    # input, weight, bias, running mean and variance (updated whole on every rank)
+    assert norms and all(n.strategy == "(S(0), R, R, R, R) -> S(0)" for n in norms)
 
 
 @pytest.mark.parametrize("opt_level", [1, 2])
@@ -409,3 +410,71 @@ def test_recomputation_options_solved_in_parallel_give_the_same_plan(monkeypatch
         plans[workers] = autopar.compile(model, inputs, **kw)
     assert [c["status"] for c in plans[2].recompute["candidates"]].count("OPTIMAL") >= 2
     assert plans[1].dumps() == plans[2].dumps()
+
+
+def test_in_place_ops_on_activations_run_out_of_place_and_state_updates_stay():
+    """nn.ReLU(inplace=True) and ``y += x`` on activations are captured as
+    relu and add (the rules' ops, exact since nothing reads the old values);
+    the buffers' in-place updates stay in place and the emitted program runs
+    them as state updates (once per step, not again when recomputed)."""
+    from autopar.capture import capture
+    from autopar.codegen import build_program, program_source
+    model, inputs, loss = load_factory("tests/fixtures/stateful.py:small")
+    graph = capture(model, inputs, loss)
+    ops = [n.op_name for n in graph.nodes.values() if n.kind.value == "op"]
+    assert "relu_" not in " ".join(ops) and ops.count("relu") == 2 and ops.count("add.Tensor") >= 2
+    in_place = sorted(n.op_name for n in graph.nodes.values() if n.kind.value == "op" and n.op_name.endswith(
+        ("_.Tensor", "_.default", "_.Scalar")))
+    # the step counter, each block's ema (mul_, add_) and batch norm's num_batches_tracked
+    assert in_place == ["add_.Tensor"] * 5 + ["mul_.Tensor"] * 2
+    plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss)
+    source = program_source(build_program(graph, plan, False), plan)
+    assert source.count("autopar_spmd_state_update(") == 7, source
+
+
+def test_in_place_op_whose_old_value_is_read_again_is_refused():
+    """Running ``relu_`` out of place would change what a later reader of the
+    overwritten tensor sees (here through a view taken before it, or the base
+    of an overwritten slice): the model is refused, naming the op and readers.
+    (torch.export already points later plain reads at the in-place op's result.)"""
+    from autopar.errors import AutoparError
+
+    class ViewReadAfter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            v = h.view(4, 2, 4)
+            torch.nn.functional.relu(h, inplace=True)
+            return v.sum(1)
+
+    class SliceOverwritten(ViewReadAfter):
+        def forward(self, x):
+            h = self.fc(x)
+            torch.nn.functional.relu(h[:, :4], inplace=True)
+            return h
+
+    kw = dict(mesh=2, cluster="dgx-a100", loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(AutoparError, match=r"in-place op aten\.relu_\.default at the top level overwrites linear, "
+                                           r"which sum_1 read afterwards.*inplace=False"):
+        autopar.compile(ViewReadAfter(), (torch.randn(4, 8), torch.randn(4, 4)), **kw)
+    with pytest.raises(AutoparError, match=r"overwrites linear, which broadcast_tensors read afterwards"):
+        autopar.compile(SliceOverwritten(), (torch.randn(4, 8), torch.randn(4, 8)), **kw)
+
+
+def test_dtensors_per_axis_hint_is_dropped_and_nothing_else():
+    """The runtime drops DTensor's warning that a redistribute over two mesh
+    axes runs one collective per axis (that is the plan, priced per axis);
+    the logger's other records pass."""
+    import importlib
+    import logging
+    importlib.import_module("autopar.spmd")  # which installs the filter
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+
+    def record(msg):
+        return logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not logger.filter(record("While redistributing from %s to %s, %s sequential %s operations ..."))
+    assert logger.filter(record("something else"))

@@ -177,11 +177,15 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
 
 
 def _reference(sample: Sample, flat, spec, tensors):
-    """Single-device outputs, cotangents, and the input gradients they give."""
+    """Single-device outputs, cotangents, the input gradients they give, and
+    the inputs the op updated in place (by flat position), after the call."""
     differentiable = [i for k, i in enumerate(tensors) if flat[i].dtype.is_floating_point and k not in sample.frozen]
+    mutated = [tensors[k] for k in sample.mutated]
     ref_flat = list(flat)
     for i in differentiable:
         ref_flat[i] = flat[i].clone().requires_grad_()
+    for i in mutated:
+        ref_flat[i] = flat[i].clone()
     a, kw = pytree.tree_unflatten(ref_flat, spec)
     refs = [t for t in pytree.tree_leaves(sample.target(*a, **kw)) if isinstance(t, torch.Tensor)]
     cots = [torch.randn(r.shape, generator=gen(100 + k), dtype=r.dtype) if r.dtype.is_floating_point else None
@@ -190,7 +194,7 @@ def _reference(sample: Sample, flat, spec, tensors):
     if any(r.requires_grad for r in refs):
         sum((r * c).sum() for r, c in zip(refs, cots) if c is not None and r.requires_grad).backward()
         grads = {i: ref_flat[i].grad for i in differentiable if ref_flat[i].grad is not None}
-    return [r.detach() for r in refs], cots, grads
+    return [r.detach() for r in refs], cots, grads, {i: ref_flat[i] for i in mutated}
 
 
 def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
@@ -203,9 +207,11 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
 
     flat, spec = pytree.tree_flatten((sample.args, sample.kwargs))
     tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-    refs, cots, ref_grads = _reference(sample, flat, spec, tensors)
+    refs, cots, ref_grads, ref_updated = _reference(sample, flat, spec, tensors)
     local_in = {i: place(flat[i], s, mesh_shape, seed=1000 + k)
                 for k, (i, s) in enumerate(zip(tensors, strategy.inputs))}
+    for i in ref_updated:  # each rank its own copy to update
+        local_in[i] = {r: v.clone() for r, v in local_in[i].items()}
 
     leaves = {}
     with LocalTensorMode(WORLD):
@@ -258,11 +264,17 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
         if wrong:
             err = max((have[r] - want_grad).abs().max().item() for r in wrong)
             problems.append(f"input {tensors.index(i)}: gradient differs on ranks {wrong} (max abs error {err})")
+    for i, want_value in ref_updated.items():
+        wrong = [r for r, v in sorted(local_in[i].items()) if not _close(v, want_value)]
+        if wrong:
+            problems.append(f"input {tensors.index(i)}: updated in place differently on ranks {wrong}")
     return problems
 
 
 class _RankMesh:
     """The little of a DeviceMesh a local implementation asks: this rank's coordinate."""
+
+    device_type = "cpu"
 
     def __init__(self, coord: tuple, mesh_shape):
         self.coord, self.shape, self.ndim = coord, tuple(mesh_shape), len(mesh_shape)
@@ -400,6 +412,8 @@ RULE_TABLE = [
                                          "(R, R, R) -> R"]),
     ("batch_norm.default[train]", ["(S(1), S(0), S(0)) -> S(1)", "(S(0), R, R) -> S(0)", "(R, R, R) -> R"]),
     ("batch_norm.default[train_noaffine]", ["(S(1)) -> S(1)", "(S(0)) -> S(0)", "(R) -> R"]),
+    ("batch_norm.default[train_running]", ["(S(1), S(0), S(0), R, R) -> S(1)", "(S(0), R, R, R, R) -> S(0)",
+                                           "(R, R, R, R, R) -> R"]),
     ("batch_norm.default[eval]", ["(S(1), S(0), S(0), S(0), S(0)) -> S(1)", "(S(0), R, R, R, R) -> S(0)",
                                   "(R, R, R, R, R) -> R"]),
     ("group_norm.default", ["(S(0), R, R) -> S(0)", "(R, R, R) -> R"]),
@@ -465,3 +479,33 @@ def test_normalize_equation_rejects_wrong_operand_count():
 
     with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
         normalize_equation("ij,jk->ik", [2])
+
+
+@pytest.mark.parametrize("target, args", [
+    (aten.dropout.default, (0.5, True)),
+    (aten.native_dropout.default, (0.5, True)),
+    (aten.bernoulli.p, (0.5,)),
+    (aten.rand_like.default, ()),
+])
+def test_random_ops_draw_per_shard_and_alike_per_replica(target, args):
+    """Every rank's generator is in the same state, so a random op on a split
+    tensor must not give every shard the same draw: shards of a split axis
+    draw differently, ranks of a replicating axis alike, a replicated output
+    is the plain op's draw, and every rank's generator advances the same."""
+    from autopar import spmd
+    impl = spmd.LOCAL_IMPLS[target]
+    x = torch.ones(4, 64)
+
+    def draw(coord, spec):
+        torch.manual_seed(0)
+        out = impl(target, _RankMesh(coord, (2, 2)), spec, [x, *args], {}, None)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, torch.rand(1).item()
+
+    split = (Shard(0), Replicate())
+    (a, after_a), (b, after_b), (c, after_c) = (draw(coord, split) for coord in ((0, 0), (1, 0), (0, 1)))
+    assert not torch.equal(a, b) and torch.equal(a, c) and after_a == after_b == after_c
+    torch.manual_seed(0)
+    plain = target(x, *args)
+    plain = plain[0] if isinstance(plain, tuple) else plain
+    assert torch.equal(draw((1, 1), (Replicate(), Replicate()))[0], plain)

@@ -3,6 +3,7 @@ on a given pp axis (see autopar/pipeline/__init__.py)."""
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -167,6 +168,21 @@ def _with_pp_link(prof: Profile, pp_link) -> Profile:
 
 
 
+def _microbatch_statistics(model: nn.Module, microbatches: int) -> list[str]:
+    """Training-mode batch norm over microbatches normalises each with its own
+    statistics (as in GPipe, Huang et al. 2019), not the whole batch's: the
+    step is then not one device's step on the batch. Warned, and kept in the plan."""
+    norms = [name for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if microbatches == 1 or not norms:
+        return []
+    msg = (f"batch norm in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) normalises "
+           f"each of the {microbatches} microbatches with its own statistics, not the batch's: the pipelined step "
+           "differs from one device's (pass microbatches=1, or use a norm that is per sample)")
+    warnings.warn("autopar: " + msg, stacklevel=3)
+    return [msg]
+
+
 def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn, stages: int | None = None,
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
                       recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
@@ -318,6 +334,7 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
         plan = plan_from_candidate(best, mesh, cluster, source)
     else:
         plan = build_pipeline_plan(best, mesh, cluster, source)
+    plan.warnings += _microbatch_statistics(model, best.microbatches)
     plan.solver["wall_s"] = time.perf_counter() - t0
     plan.solver["pipeline_search"] = {"evaluated": evaluated, "microbatches_tried": ms, "chosen": best.summary(),
                                       "layer_cache": _layer_cache(solved)}

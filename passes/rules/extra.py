@@ -1,5 +1,5 @@
 """Ops the example models need beyond the core families: batch and group norm,
-pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
+resampling (interpolate), pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
 gather/scatter index ops.
 
 Every row is exact when the op runs on the local shards with its own
@@ -30,14 +30,17 @@ def batch_norm_rule(info: OpInfo):
     In training the statistics are over the batch and spatial dims: a split
     of those runs as synchronised batch norm (autopar/spmd.py, _batch_norm:
     the per-channel mean and variance all-reduced over the split axes inside
-    the op). Training with running statistics is refused at capture (the op
-    updates buffers in place), so here they are absent."""
+    the op). Training also updates the running statistics in place: those
+    inputs are the buffers themselves (replicated), which every rank updates
+    with the global batch's statistics of every channel."""
     x = info.inputs[0]
-    n_aux = len(info.inputs) - 1  # weight, bias, running_mean, running_var that are tensors, all (C,)
+    aux = [i for i, name in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
+           if info.arg(i, name) is not None]  # argument positions of the tensor inputs after the input
+    updated = {3, 4} if info.arg(5, "training", False) else set()
     rows = []
     if x.ndim >= 2 and x.shape[1] > 1:
-        rows.append(Row(S(1), (S(1),) + (S(0),) * n_aux))
-    rows += [Row(S(d), (S(d),) + (R,) * n_aux) for d in range(x.ndim) if d != 1 and x.shape[d] > 1]
+        rows.append(Row(S(1), (S(1),) + tuple(R if i in updated else S(0) for i in aux)))
+    rows += [Row(S(d), (S(d),) + (R,) * len(aux)) for d in range(x.ndim) if d != 1 and x.shape[d] > 1]
     rows.append(Row(R, (R,) * len(info.inputs)))
     return rows
 
@@ -50,6 +53,28 @@ def group_norm_rule(info: OpInfo):
     n = len(info.inputs)
     rows = [Row(S(0), (S(0),) + (R,) * (n - 1))] if x.ndim >= 2 and x.shape[0] > 1 else []
     rows.append(Row(R, (R,) * n))
+    return rows
+
+
+# --- resampling ------------------------------------------------------------
+
+_UPSAMPLE = [
+    aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest3d.vec,
+    aten._upsample_nearest_exact1d.vec, aten._upsample_nearest_exact2d.vec, aten._upsample_nearest_exact3d.vec,
+    aten.upsample_linear1d.vec, aten.upsample_bilinear2d.vec, aten.upsample_trilinear3d.vec,
+    aten.upsample_bicubic2d.vec,
+]
+
+
+@register(*_UPSAMPLE)
+def upsample_rule(info: OpInfo):
+    """F.interpolate on (N, C, *spatial): each output position mixes input
+    positions of its own sample and channel only, so batch and channel dims
+    split freely; it is a linear map, so a Partial (sum) input gives a
+    Partial output."""
+    x = info.inputs[0]
+    rows = [Row(S(d), (S(d),)) for d in (0, 1) if x.shape[d] > 1]
+    rows += [Row(P, (P,)), Row(R, (R,))]
     return rows
 
 

@@ -53,14 +53,28 @@ def cross_entropy_rule(info: OpInfo):
     return rows
 
 
-@register(aten.mse_loss.default, aten.l1_loss.default)
+_LOSS_REDUCTION_ARG = {
+    aten.binary_cross_entropy.default: 3, aten.binary_cross_entropy_with_logits.default: 4,
+    aten.huber_loss.default: 2, aten.l1_loss.default: 2, aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2,
+    aten.soft_margin_loss.default: 2,
+}
+"""Losses that are a reduction of a per-element term: the argument position of ``reduction``."""
+
+
+@register(*_LOSS_REDUCTION_ARG)
 def elementwise_loss_rule(info: OpInfo):
+    """Any dim splits when every tensor input (prediction, target, a weight)
+    has the prediction's shape: the per-element losses split with it, and a
+    mean or sum is a Partial of the local ones (a broadcast weight or
+    pos_weight: replicated only)."""
     x = info.inputs[0]
-    reduction = _REDUCTION[info.arg(2, "reduction", 1)]
-    rows = [Row(R, (R, R))]
-    for d in range(x.ndim):
-        if x.shape[d] > 1 and info.inputs[1].shape == x.shape:
-            rows.append(Row(S(d) if reduction is None else Partial(reduction), (S(d), S(d))))
+    reduction = _REDUCTION[info.arg(_LOSS_REDUCTION_ARG[info.target], "reduction", 1)]
+    n_in = len(info.inputs)
+    rows = [Row(R, (R,) * n_in)]
+    if all(t.shape == x.shape for t in info.inputs):
+        for d in range(x.ndim):
+            if x.shape[d] > 1:
+                rows.append(Row(S(d) if reduction is None else Partial(reduction), (S(d),) * n_in))
     return rows
 
 
