@@ -20,7 +20,7 @@ from autopar import spmd
 from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
 from autopar.passes.rules.misc import FACTORIES
-from autopar.passes.strategy import local_shape, parse_spec
+from autopar.passes.strategy import fmt_spec, local_shape, parse_spec
 from autopar.plan import Plan
 
 HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
@@ -42,12 +42,30 @@ RESHAPES = {
 
 
 def check_plan_matches(graph: Graph, plan: Plan) -> None:
+    """The plan is for this model, and each op's and parameter's placements are
+    among those its sharding rule allows on the plan's mesh: a plan file
+    edited by hand (or by another version) cannot run an op on shards where
+    the local op is not exact."""
     fp = plan.model.get("fingerprint")
     if fp != graph.fingerprint():
         raise PlanError(
             f"the plan was compiled for a different model or input shapes (fingerprint {fp}, "
             f"this model traces to {graph.fingerprint()}); recompile the plan for this model"
         )
+    from autopar.passes.enumerate import enumerate_strategies
+    strategies, _ = enumerate_strategies(graph, plan.mesh.shape, warn=False)
+    for spec in plan.nodes:
+        node = graph.nodes.get(spec.name)
+        if node is None or node.kind not in (NodeKind.OP, NodeKind.PARAM):
+            continue
+        allowed = {(tuple(fmt_spec(i) for i in s.inputs), fmt_spec(s.output)) for s in strategies[spec.name]}
+        if (tuple(spec.input_specs), spec.output_spec) not in allowed:
+            valid = sorted(f"({', '.join(i)}) -> {o}" for i, o in allowed)
+            raise PlanError(
+                f"plan node {spec.name} ({node.op_name} at {node.fqn or 'the top level'}) has strategy "
+                f"{spec.strategy}, which its sharding rule does not allow on mesh {plan.mesh}; valid: "
+                f"{valid[:6]}{' ...' if len(valid) > 6 else ''}. The plan file was edited or is corrupt: "
+                "recompile it")
 
 
 def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.GraphModule:

@@ -30,11 +30,15 @@ def tensor_rows(node: Node) -> list[Row]:
     return rows
 
 
-def enumerate_strategies(graph: Graph, mesh_shape: tuple) -> tuple[dict, list[Fallback]]:
+def enumerate_strategies(graph: Graph, mesh_shape: tuple, warn: bool = True) -> tuple[dict, list[Fallback]]:
+    """Every node's strategies, and the ops without a rule (logged unless ``warn`` is False)."""
     strategies: dict[str, list[Strategy]] = {}
     fallbacks: list[Fallback] = []
     for node in graph.nodes.values():
         strategies[node.name] = _node_strategies(node, graph, mesh_shape, strategies, fallbacks)
+    for f in fallbacks if warn else ():
+        log.warning("autopar: no sharding rule for %s (node %s, in %s); it runs replicated on every device",
+                    f.op, f.node, f.location)
     return strategies, fallbacks
 
 
@@ -60,12 +64,7 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
     if node.state_update:  # runs on the buffer where it lives: replicated, the same update on every rank
         return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
     if rule is None:
-        where = node.fqn or "the top level"
-        log.warning(
-            "autopar: no sharding rule for %s (node %s, in %s); it runs replicated on every device",
-            node.op_name, node.name, where,
-        )
-        fallbacks.append(Fallback(node.name, node.op_name, where))
+        fallbacks.append(Fallback(node.name, node.op_name, node.fqn or "the top level"))
         return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
     rows = rule.fn(node.info)
     out = expand_to_mesh(rows, mesh_shape, [m.shape for m in node.info.inputs], [m.shape for m in node.outputs])

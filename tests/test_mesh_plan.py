@@ -131,3 +131,27 @@ def test_plan_recompute_regions_must_name_ops_of_the_model(plan):
     obj["recompute"] = {"mode": "selective", "layers": ["layers.0"], "regions": [["no_such_node"]]}
     with pytest.raises(PlanError, match=r"recompute entry does not fit this model: .*'no_such_node'"):
         build_program(capture(model, inputs, loss), autopar.Plan.from_json(obj))
+
+
+@pytest.mark.parametrize("edit, node", [
+    ("output_spec", "p_model_layers_0_weight"),  # a parameter sharded on a dim it does not have
+    ("input_specs", "linear"),                   # a linear whose inputs no rule pairs with its output
+])
+def test_plan_strategy_its_rule_does_not_allow_is_refused_at_codegen(plan, edit, node):
+    """A hand-edited plan.json whose placements are valid syntax but not among
+    those the op's rule allows (the local op would not be exact) is refused,
+    naming the node, the strategy and valid ones."""
+    from autopar.capture import capture
+    from autopar.codegen import build_program
+    from mlp import make
+    model, inputs, loss = make(batch=8, hidden=64)
+    obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
+    entry = next(n for n in obj["nodes"] if n["name"] == node)
+    if edit == "output_spec":
+        entry["output_spec"] = "S(5)"
+    else:
+        entry["input_specs"] = ["S(1)", "S(1)", "S(0)"]
+        entry["output_spec"] = "S(0)"
+    with pytest.raises(PlanError, match=rf"plan node {node} \(.*\) has strategy .*which its sharding rule does not "
+                                        r"allow on mesh .*valid: .*The plan file was edited or is corrupt"):
+        build_program(capture(model, inputs, loss), autopar.Plan.from_json(obj))
