@@ -198,6 +198,19 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
                        for k, s in r["plan"]["strategies"].items()), r["label"]
 
 
+def test_op_families_the_examples_do_not_use(tmp_path):
+    """tests/fixtures/opzoo.py: group, instance and two-dim layer norm, gather,
+    scatter_add, topk, variance, logsumexp, norms, padding, flip, roll,
+    cumprod, activations; and a U-Net step (batch norm with running
+    statistics, pooling, transposed convolution, upsampling, BCE on logits):
+    the solved plan and two random plans each, on a 2x2 mesh, train like one
+    device (one launch)."""
+    sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter"]
+    reports = verify(sources, "2x2", 4, tmp_path, random_plans=2)
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 6
+    assert_agrees(reports)
+
+
 def test_measured_step_of_the_collective_chain():
     """autopar.measure, which `autopar calibrate` and docs/validation.md run:
     the collective chain's pinned Megatron pairs cannot run without

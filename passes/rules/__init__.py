@@ -96,7 +96,7 @@ def registered_ops() -> list:
 
 
 def _load():
-    from autopar.passes.rules import conv, extra, matmul, misc, norm, pointwise, reduction, view  # noqa: F401
+    from autopar.passes.rules import along, conv, extra, matmul, misc, norm, pointwise, reduction, view  # noqa: F401
 
 
 _load()

@@ -1,5 +1,5 @@
 """Ops the example models need beyond the core families: batch and group norm,
-resampling (interpolate), pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
+advanced indexing, resampling (interpolate), pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
 gather/scatter index ops.
 
 Every row is exact when the op runs on the local shards with its own
@@ -45,6 +45,30 @@ def batch_norm_rule(info: OpInfo):
     return rows
 
 
+@register(aten.instance_norm.default)
+def instance_norm_rule(info: OpInfo):
+    """instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn).
+
+    With the input's statistics (training, or no running statistics) they are
+    per sample and channel: the batch and the channels split (weight and bias
+    with the channels). Updating running statistics averages them over the
+    batch, in place: replicated only. With running statistics in eval the op
+    is a per-channel affine map: any dim splits."""
+    x = info.inputs[0]
+    aux = [i for i, name in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
+           if info.arg(i, name) is not None]
+    uses_input = info.arg(5, "use_input_stats", True)
+    if uses_input and 3 in aux:
+        return [Row(R, (R,) * len(info.inputs))]
+    rows = []
+    if x.ndim >= 2 and x.shape[1] > 1:
+        rows.append(Row(S(1), (S(1),) + (S(0),) * len(aux)))
+    split = [0] if uses_input else [d for d in range(x.ndim) if d != 1]
+    rows += [Row(S(d), (S(d),) + (R,) * len(aux)) for d in split if x.shape[d] > 1]
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
 @register(aten.group_norm.default)
 def group_norm_rule(info: OpInfo):
     """group_norm(input, num_groups, weight, bias, eps): statistics per sample, so
@@ -53,6 +77,33 @@ def group_norm_rule(info: OpInfo):
     n = len(info.inputs)
     rows = [Row(S(0), (S(0),) + (R,) * (n - 1))] if x.ndim >= 2 and x.shape[0] > 1 else []
     rows.append(Row(R, (R,) * n))
+    return rows
+
+
+# --- advanced indexing -----------------------------------------------------
+
+
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
+def index_rule(info: OpInfo):
+    """x[..., idx, ...]: index tensors on a block of adjacent dims (None, i.e.
+    ``:``, elsewhere). The dims not indexed split and keep their place around
+    the index's dims; the index tensors stay whole, as their values are global
+    positions. Indexing is linear in x: a Partial x gives a Partial result.
+    Index tensors on dims that are not adjacent (which moves their dims to
+    the front) get the replicated row only."""
+    x = info.inputs[0]
+    n_idx = len(info.inputs) - 1
+    indexed = [d for d, t in enumerate(info.arg(1, "indices")) if t is not None]
+    rows = []
+    if indexed and indexed == list(range(indexed[0], indexed[-1] + 1)):
+        index_ndim = info.out.ndim - (x.ndim - len(indexed))
+        for d in range(x.ndim):
+            if d in indexed or x.shape[d] == 1:
+                continue
+            out = d if d < indexed[0] else d - len(indexed) + index_ndim
+            rows.append(Row(S(out), (S(d),) + (R,) * n_idx))
+        rows.append(Row(P, (P,) + (R,) * n_idx))
+    rows.append(Row(R, (R,) * len(info.inputs)))
     return rows
 
 

@@ -80,8 +80,8 @@ def elementwise_loss_rule(info: OpInfo):
 
 # Tensor factories: every rank makes the same (replicated) tensor. Alphabetical.
 FACTORIES = [
-    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.empty.memory_format,
-    aten.full.default, aten.ones.default, aten.scalar_tensor.default, aten.zeros.default,
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.empty.memory_format, aten.eye.default,
+    aten.eye.m, aten.full.default, aten.ones.default, aten.scalar_tensor.default, aten.zeros.default,
 ]
 
 

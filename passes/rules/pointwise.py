@@ -24,15 +24,30 @@ def broadcast_rows(info: OpInfo) -> list[Row]:
     return rows
 
 
-# Kept in alphabetical order.
+# Elementwise: each output element reads the same position of every input
+# (after broadcasting). Alphabetical.
 POINTWISE = [
-    aten.abs.default, aten.bitwise_not.default, aten.clamp.default, aten.cos.default,
-    aten.eq.Scalar, aten.eq.Tensor, aten.erf.default, aten.exp.default, aten.ge.Scalar,
-    aten.gelu.default, aten.gt.Scalar, aten.le.Scalar, aten.log.default, aten.logical_not.default,
-    aten.lt.Scalar, aten.masked_fill.Scalar, aten.maximum.default, aten.minimum.default,
-    aten.ne.Scalar, aten.pow.Tensor_Scalar, aten.reciprocal.default, aten.relu.default,
-    aten.rsqrt.default, aten.sigmoid.default, aten.silu.default, aten.sin.default,
-    aten.sqrt.default, aten.square.default, aten.tanh.default, aten.where.self,
+    aten.abs.default, aten.acos.default, aten.acosh.default, aten.add.Scalar, aten.addcdiv.default,
+    aten.addcmul.default, aten.asin.default, aten.asinh.default, aten.atan.default, aten.atan2.default,
+    aten.atanh.default, aten.bitwise_and.Tensor, aten.bitwise_not.default, aten.bitwise_or.Tensor,
+    aten.ceil.default, aten.celu.default, aten.clamp.Tensor, aten.clamp.default, aten.clamp_max.default,
+    aten.clamp_min.default, aten.copysign.Tensor, aten.cos.default, aten.cosh.default, aten.elu.default,
+    aten.eq.Scalar, aten.eq.Tensor, aten.erf.default, aten.erfc.default, aten.erfinv.default, aten.exp.default,
+    aten.exp2.default, aten.expm1.default, aten.floor.default, aten.floor_divide.default, aten.fmax.default,
+    aten.fmin.default, aten.fmod.Scalar, aten.fmod.Tensor, aten.frac.default, aten.ge.Scalar, aten.ge.Tensor,
+    aten.gelu.default, aten.gt.Scalar, aten.gt.Tensor, aten.hardshrink.default, aten.hardsigmoid.default,
+    aten.hardswish.default, aten.hardtanh.default, aten.hypot.default, aten.isinf.default, aten.isnan.default,
+    aten.le.Scalar, aten.le.Tensor, aten.leaky_relu.default, aten.lerp.Scalar, aten.lerp.Tensor, aten.log.default,
+    aten.log10.default, aten.log1p.default, aten.log2.default, aten.logical_and.default, aten.logical_not.default,
+    aten.logical_or.default, aten.logical_xor.default, aten.logit.default, aten.lt.Scalar, aten.lt.Tensor,
+    aten.masked_fill.Scalar, aten.maximum.default, aten.minimum.default, aten.mish.default,
+    aten.nan_to_num.default, aten.ne.Scalar, aten.ne.Tensor, aten.pow.Scalar, aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor, aten.reciprocal.default, aten.relu.default, aten.remainder.Scalar,
+    aten.remainder.Tensor, aten.round.default, aten.rsqrt.default, aten.rsub.Scalar, aten.rsub.Tensor,
+    aten.selu.default, aten.sigmoid.default, aten.sign.default, aten.silu.default,
+    aten.sin.default, aten.sinh.default, aten.softplus.default, aten.softshrink.default, aten.sqrt.default,
+    aten.square.default, aten.sub.Scalar, aten.tan.default, aten.tanh.default, aten.threshold.default,
+    aten.trunc.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.self, aten.xlogy.Tensor,
 ]
 
 # Linear in their (single) tensor argument or sums of tensors: a Partial
