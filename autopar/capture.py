@@ -208,7 +208,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         else:
             raise AutoparError(f"unsupported graph input kind {k} for {name}")
     node_kinds = {name: kind for name, (kind, _, _) in kinds.items()}
-    _out_of_place(gm, node_kinds)
+    _inline_grad_mode_regions(gm)
+    _out_of_place(gm, node_kinds, {name: fqn for name, (_, fqn, _) in kinds.items()})
     mutated = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
         raise AutoparError(
@@ -232,6 +233,11 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             fx.node.map_arg(n.args[0], lambda a: flat.append(a.name))
             nodes["output"] = Node("output", NodeKind.OUTPUT, inputs=flat,
                                    outputs=[nodes[a].outputs[0] for a in flat])
+        elif n.op == "get_attr":
+            users = sorted({getattr(u.target, "__name__", str(u.target)) for u in n.users})
+            raise AutoparError(f"the traced forward runs a subgraph ({n.target}) through {', '.join(users)}, a "
+                               "higher-order op autopar does not inline (torch.autocast inside forward: compile "
+                               "with precision='bf16' instead; torch.cond): write the forward without it")
         else:
             raise AutoparError(f"unsupported fx node {n.op} {n.target}")
     from torch.utils._pytree import treespec_dumps
@@ -257,17 +263,67 @@ def _returns_view(n: fx.Node) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
+def _overwritten_root(n: fx.Node) -> fx.Node:
+    """The tensor an in-place op overwrites, followed up through earlier
+    in-place ops and views (``ema.mul_(d).add_(x)``, ``buf[0].add_(1)``,
+    a ``detach`` under no_grad) to the node that owns the storage."""
+    src = n.args[0]
+    while src.op == "call_function" and (writes_first_input(src.target) or _returns_view(src)):
+        src = src.args[0]
+    return src
+
+
 def updates_state(n: fx.Node, kinds: dict) -> bool:
-    """An in-place op on a parameter or buffer, directly or through an earlier
-    in-place op on it (``ema.mul_(d).add_(x)``): state that persists across steps."""
+    """An in-place op on a buffer (directly, through earlier in-place ops or
+    through views of it): state that persists across steps."""
     if n.op != "call_function" or not writes_first_input(n.target):
         return False
-    first = n.args[0]
-    return (first.op == "placeholder" and kinds.get(first.name) in (NodeKind.PARAM, NodeKind.BUFFER)) \
-        or updates_state(first, kinds)
+    root = _overwritten_root(n)
+    return root.op == "placeholder" and kinds.get(root.name) is NodeKind.BUFFER
 
 
-def _out_of_place(gm: fx.GraphModule, kinds: dict) -> None:
+def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:
+    """``with torch.no_grad():`` inside forward traces to a higher-order op
+    that calls a subgraph. Its ops are inlined into the step, each input of the
+    region passed through ``detach``, so that no gradient flows through them
+    (a region that enables grad is inlined as it is)."""
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not hop:
+            continue
+        enabled, sub, *operands = n.args
+        body = getattr(gm, sub.target)
+        _inline_grad_mode_regions(body)
+        env = {}
+        with gm.graph.inserting_before(n):
+            placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+            for p, operand in zip(placeholders, operands):
+                if enabled:
+                    env[p] = operand
+                    continue
+                cut = gm.graph.call_function(torch.ops.aten.detach.default, (operand,))
+                cut.meta = {**operand.meta, "val": operand.meta["val"].detach()}
+                env[p] = cut
+            results = None
+            for b in body.graph.nodes:
+                if b.op == "placeholder":
+                    continue
+                if b.op == "output":
+                    results = b.args[0]
+                    break
+                env[b] = gm.graph.node_copy(b, lambda a: env[a])
+        outs = fx.node.map_arg(results, lambda a: env[a])
+        for u in list(n.users):  # getitem(region, k) -> the k-th result
+            u.replace_all_uses_with(outs[u.args[1]])
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        if not sub.users:
+            gm.graph.erase_node(sub)
+            delattr(gm, sub.target)
+    gm.recompile()
+
+
+def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
     """In-place ops on activations (``nn.ReLU(inplace=True)``, ``y += x``) become
     their out-of-place forms, which the sharding rules know and autograd
     accepts on the runtime's local tensors. That is exact when nothing reads
@@ -293,6 +349,12 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict) -> None:
         if n.op != "call_function" or not writes_first_input(n.target) or updates_state(n, kinds):
             continue
         where = _module_path(n) or "the top level"
+        root = _overwritten_root(n)
+        if root.op == "placeholder" and kinds.get(root.name) is NodeKind.PARAM:
+            raise AutoparError(
+                f"in-place op {n.target} at {where} overwrites parameter {fqns[root.name]} during the forward; "
+                "autopar shards parameters and cannot update them in the step: apply such an update outside "
+                "the forward (e.g. after optimizer.step())")
         packet = getattr(torch.ops.aten, n.target._overloadpacket.__name__.rstrip("_"), None)
         functional = getattr(packet, n.target._overloadname, None)
         if functional is None:

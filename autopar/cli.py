@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 from autopar.errors import AutoparError
 
@@ -176,6 +177,18 @@ OWN_PARSERS = {
 }
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """autopar's own warnings as one line ("autopar: warning: ..."), without
+    the source location Python adds; others as Python formats them."""
+    text = str(message)
+    if text.startswith("autopar: "):
+        return f"autopar: warning: {text[len('autopar: '):]}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in OWN_PARSERS:
@@ -184,6 +197,7 @@ def main(argv=None) -> int:
         return getattr(importlib.import_module(module), fn)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    warnings.formatwarning = _format_warning
     try:
         return args.fn(args)
     except AutoparError as e:

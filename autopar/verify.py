@@ -51,7 +51,15 @@ def random_plan(model, inputs, loss_fn, mesh, cluster, seed: int) -> Plan:
 
 
 def _full_grad(p, placements, mesh):
+    """The whole gradient (zeros where backward gave none: a parameter used
+    only under no_grad, which the reference then has none for either)."""
+    if p.grad is None:
+        return None
     return DTensor.from_local(p.grad, mesh, placements, run_check=False).full_tensor()
+
+
+def _or_zeros(grad, like):
+    return torch.zeros_like(like) if grad is None else grad
 
 
 def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, random_seed: int | None = None,
@@ -91,9 +99,12 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
         if step == 0:
             grads = {fqn: _full_grad(p, pmodel._placements[fqn], device_mesh) for fqn, p in pmodel.named_parameters()}
             names = sorted(grads)
-            report["grad"] = _rel(torch.cat([grads[k].flatten() for k in names]),
-                                  torch.cat([ref_params[k].grad.flatten() for k in names]))
-            report["grad_by_name"] = {k: _rel(grads[k], ref_params[k].grad) for k in names}
+            mine = {k: _or_zeros(grads[k], ref_params[k]) for k in names}
+            ref = {k: _or_zeros(ref_params[k].grad, ref_params[k]) for k in names}
+            report["grad"] = _rel(torch.cat([mine[k].flatten() for k in names]),
+                                  torch.cat([ref[k].flatten() for k in names]))
+            report["grad_by_name"] = {k: _rel(mine[k], ref[k]) for k in names}
+            report["no_grad"] = sorted(k for k in names if grads[k] is None and ref_params[k].grad is None)
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     state = pmodel.state_dict()
     # Parameters: norm-wise over the whole model. Per tensor, a parameter that

@@ -112,10 +112,12 @@ class CostContext:
 
 
 def needs_grad(graph: Graph) -> set:
-    """Nodes whose output has a gradient (they depend on a parameter)."""
+    """Nodes whose output has a gradient (they depend on a parameter, not
+    through a ``detach``)."""
     out = set()
     for n in graph.nodes.values():
-        if n.kind is NodeKind.PARAM or (n.kind is NodeKind.OP and any(i in out for i in n.inputs)):
+        if n.kind is NodeKind.PARAM or (n.kind is NodeKind.OP and n.target is not _aten.detach.default
+                                        and any(i in out for i in n.inputs)):
             out.add(n.name)
     return out
 

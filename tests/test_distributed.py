@@ -45,13 +45,14 @@ def test_recomputed_layers_with_sharded_parameters(tmp_path):
     blocks whose forward the model writes around their modules (the region
     takes in the glue ops, tests/fixtures/gluenet.py) and blocks that update
     buffers in place (batch norm's running statistics, an EMA: once per step,
-    not again when recomputed; tests/fixtures/stateful.py), which the check
-    compares with the single device's after the steps."""
+    not again when recomputed), run in-place ReLUs and a no_grad teacher
+    (tests/fixtures/stateful.py); the check compares the buffers too."""
     sources = ["examples/gpt.py:small", "tests/fixtures/gluenet.py:small", "tests/fixtures/stateful.py:small"]
     reports = verify(sources, "2x2", 4, tmp_path, random_plans=0, extra=["--recompute", "full"])
     assert [r["source"] for r in reports] == sources
     stateful = reports[2]
     assert {"steps", "blocks.0.ema", "blocks.1.norm.running_var"} <= set(stateful["param_by_name"])
+    assert stateful["no_grad"] == ["teacher.bias", "teacher.weight"]  # used under no_grad only, on both sides
     for r in reports:
         assert r["plan"]["recompute"] == ["blocks.0", "blocks.1"], r["label"]
         assert any(set(p) != {"R"} for p in r["plan"]["parameters"].values()), r["label"]

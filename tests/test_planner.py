@@ -6,6 +6,7 @@ from torch import nn
 import autopar
 from autopar.errors import InfeasibleError, LaunchError
 from autopar.runtime import load_factory
+from conftest import ROOT
 
 
 def forward_collectives(plan):
@@ -218,6 +219,19 @@ def test_a_clusters_caveat_is_warned_and_kept_in_the_plan():
     with pytest.warns(UserWarning, match=r"cluster p3.16xlarge: its GEMM and memory efficiencies are the A100's"):
         plan = autopar.compile(model, (torch.randn(4, 8),), mesh=2, cluster="p3.16xlarge")
     assert any(w.startswith("cluster p3.16xlarge: ") for w in plan.warnings)
+
+
+def test_cli_prints_autopars_warnings_as_one_line(tmp_path):
+    """`autopar compile` writes a warning as "autopar: warning: ...", not with
+    Python's source location and code line."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "compile", "examples/mlp.py:small", "--mesh", "2",
+                           "--cluster", "p3.16xlarge", "-q", "-o", str(tmp_path / "plan.json")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "autopar: warning: cluster p3.16xlarge: its GEMM and memory efficiencies" in proc.stderr
+    assert "UserWarning" not in proc.stderr and "compile_plan(" not in proc.stderr
 
 
 def test_autoparallelize_outside_torchrun_shows_the_command(monkeypatch):
@@ -480,3 +494,45 @@ def test_dtensors_per_axis_hint_is_dropped_and_nothing_else():
 
     assert not logger.filter(record("While redistributing from %s to %s, %s sequential %s operations ..."))
     assert logger.filter(record("something else"))
+
+
+def test_no_grad_regions_are_inlined_behind_detach():
+    """``with torch.no_grad():`` in forward traces to a subgraph; its ops are
+    inlined with their inputs detached, so no gradient is priced or flows
+    through them (the teacher head of tests/fixtures/stateful.py)."""
+    from autopar.capture import capture
+    from autopar.cost_models.graph_costs import needs_grad
+    graph = capture(*load_factory("tests/fixtures/stateful.py:small"))
+    teacher = [n for n in graph.nodes.values() if n.fqn == "teacher" and n.op_name == "linear"]
+    assert len(teacher) == 1
+    assert all(graph.nodes[i].op_name == "detach" for i in teacher[0].inputs)
+    assert teacher[0].name not in needs_grad(graph)
+
+
+def test_parameter_overwritten_in_forward_and_autocast_are_refused_by_name():
+    from autopar.errors import AutoparError
+
+    class Clamps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.fc.weight.clamp_(-0.1, 0.1)
+            return self.fc(x)
+
+    class Autocasts(Clamps):
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = self.fc(x)
+            return y.float()
+
+    kw = dict(mesh=2, cluster="dgx-a100", loss_fn=torch.nn.functional.mse_loss)
+    inputs = (torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(AutoparError, match=r"in-place op aten\.clamp_\.default at the top level overwrites parameter "
+                                           r"fc\.weight during the forward.*after optimizer\.step"):
+        autopar.compile(Clamps(), inputs, **kw)
+    with pytest.raises(AutoparError, match=r"runs a subgraph \(submod_1\) through wrap_with_autocast.*"
+                                           r"precision='bf16'"):
+        autopar.compile(Autocasts(), inputs, **kw)
