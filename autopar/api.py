@@ -83,7 +83,8 @@ class _SingleDevice(nn.Module):
 def _decorate(cls, **options):
     """Wrap an nn.Module subclass: instances compile on first call and run the plan.
 
-    A call with new input shapes compiles again, keeping the parameters'
+    A call with new input shapes, or in the other mode (``.eval()``, whose
+    dropout and batch norm differ), compiles again, keeping the parameters'
     placements so that the shards (and the optimizer's state) stay valid."""
 
     class Parallel(cls):
@@ -92,19 +93,19 @@ def _decorate(cls, **options):
             self._autopar = {}
 
         def forward(self, *inputs):
-            key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+            key = (self.training, *((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs))
             runner = self._autopar.get(key)
             if runner is None:
-                plain = _PlainForward(cls, self)
+                plain = _PlainForward(cls, self).train(self.training)
                 if not self._autopar:
                     # a meta-device twin with the full shapes, for later compiles
                     object.__setattr__(self, "_autopar_shadow", copy.deepcopy(plain).to("meta"))
                     runner = autoparallelize(plain, inputs, **options)
                 else:
-                    runner = _recompile(plain, self._autopar_shadow, next(iter(self._autopar.values())),
-                                        inputs, options)
+                    runner = _recompile(plain, self._autopar_shadow.train(self.training),
+                                        next(iter(self._autopar.values())), inputs, options)
                 self._autopar[key] = runner
-            return runner(*inputs)
+            return runner.train(self.training)(*inputs)
 
         def state_dict(self, *args, **kwargs):
             """Full tensors under the original names, sharded or not."""

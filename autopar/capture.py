@@ -82,6 +82,8 @@ class Graph:
     tied: dict = field(default_factory=dict)
     """Parameter placeholder -> the placeholder of the same tensor under its
     first name (tied weights, e.g. an LM head sharing the embedding)."""
+    training: bool = True
+    """The model's mode when traced: the graph bakes it in (dropout, batch norm)."""
 
     def fingerprint(self) -> str:
         """What a plan depends on, node by node: op, module path or parameter
@@ -163,6 +165,7 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
         raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
     graph = _to_graph(ep, len(example_inputs), loss_fn is not None)
     graph.tied = _tied(wrapper, graph)
+    graph.training = model.training
     return graph
 
 

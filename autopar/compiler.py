@@ -465,6 +465,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                           ("hierarchical" if a.inter > 1 else "intra-node")}
                 for n, a in zip(mesh.names, ctx.links)]
     model = {"source": source, "fingerprint": graph.fingerprint(), "has_loss": graph.has_loss,
+             "training": graph.training,
              "placeholders": _placeholders(graph), "out_spec": graph.out_spec}
     solver = {"status": solution.status, "objective": solution.objective_s, "wall_s": solution.wall_s,
               "variables": solution.variables, "constraints": solution.constraints, **solution.extra}

@@ -188,6 +188,7 @@ class ParallelModule(nn.Module):
         return out
 
     def forward(self, *inputs):
+        check_mode(self.training, self.plan)
         expected = len(self.plan.inputs)
         if len(inputs) != expected:
             raise AutoparError(
@@ -196,7 +197,7 @@ class ParallelModule(nn.Module):
         device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
             torch.device("cuda", torch.cuda.current_device())
         inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
-        with spmd.use_mesh(self.mesh):
+        with spmd.use_mesh(self.mesh), spmd.random_step():
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
 
@@ -217,6 +218,20 @@ class ParallelModule(nn.Module):
             if fqn in local:
                 local[fqn] = shard_of(local[fqn], placements, self.mesh)
         return super().load_state_dict(local, strict=strict, assign=assign)
+
+
+def check_mode(training: bool, plan: Plan) -> None:
+    """The program bakes in the mode the model was traced in (dropout on or
+    off, batch norm's batch or running statistics): running it in the other
+    mode would silently do the wrong thing."""
+    traced = plan.model.get("training", True)
+    if training != traced:
+        now, then = ("train", "eval") if training else ("eval", "train")
+        raise AutoparError(
+            f"the module is in {now} mode but its plan was compiled from the model in {then} mode, whose "
+            f"dropout and batch norm the program keeps: compile a plan with the model in {now} mode "
+            f"(model.{now}() before autopar.compile / autoparallelize) for this, or switch back with "
+            f".{then}()")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -332,7 +333,7 @@ def op(node: str, fn, spec: str, *args, **kwargs):
     if _regather.involved((*largs, *lkwargs.values())):
         hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
     try:
-        with hooks:
+        with hooks, _scoped("node", node):
             out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, out_spec, largs, lkwargs, args)
     except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
         placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
@@ -361,14 +362,16 @@ def checkpoint(layer, *args):
     """Run a layer keeping only its inputs; its forward (with its collectives,
     identically on every rank) runs again during backward."""
     mesh = _mesh()
-
+    step_seed = getattr(_state, "step_seed", None)
     calls = []
 
     def run(*inputs):
-        # the recomputation runs in backward, outside the forward's context;
-        # a recomputed layer gathers its parameters again anyway (no _Regather)
+        # the recomputation runs in backward, outside the forward's context:
+        # it gets the forward's mesh and step seed back (the same random
+        # draws); a recomputed layer gathers its parameters again anyway (no _Regather)
         calls.append(None)
-        with _scoped("in_checkpoint", True), _scoped("recomputing", len(calls) > 1), use_mesh(mesh):
+        with _scoped("in_checkpoint", True), _scoped("recomputing", len(calls) > 1), use_mesh(mesh), \
+                _scoped("step_seed", step_seed):
             return layer(*inputs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
@@ -540,24 +543,58 @@ def _shard_seed_index(mesh, out_spec) -> tuple[int, int]:
     return index, count
 
 
+class StepSeed:
+    """One random seed per training step, the same on every rank: rank 0 draws
+    it and broadcasts it, once, at the step's first random op. Random ops
+    derive their generators from it, so the draws do not depend on each
+    rank's own generator, which a training script may seed per rank (for
+    data augmentation, say)."""
+
+    def __init__(self):
+        self.seed = None
+
+    def get(self, mesh) -> int:
+        if self.seed is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+            value = torch.randint(0, 2**62, (1,), device=device)
+            torch.distributed.broadcast(value, src=0)
+            self.seed = int(value.item())
+        return self.seed
+
+
+
+def random_step():
+    """The ops run inside the ``with`` block (one forward) share one StepSeed."""
+    return _scoped("step_seed", StepSeed())
+
+
 def _per_shard_rng(impl):
-    """A random op (dropout, bernoulli, rand_like, attention dropout) on a
-    split tensor. Every rank's generator is in the same state (same seed, same
-    program), so drawing on the local shard would give every shard the same
-    mask: the batch's quarters dropped alike. Each shard draws instead from a
-    generator seeded by one number drawn from the default generator (which
-    advances it identically on every rank, and which checkpoint's recomputation
-    replays) and the shard's index; ranks that replicate the output share the
-    index and so the draw. Statistically one device's independent draws, not
-    its bit pattern."""
+    """A random op (dropout, bernoulli, rand_like, attention dropout).
+
+    Drawing on the local shard from the rank's own generator would give every
+    shard of a split tensor the same mask (every rank's generator is in the
+    same state), and could give the replicas of a replicated one different
+    masks (if the ranks were seeded apart). The op instead draws from a
+    generator seeded by the step's seed (StepSeed; without one, as in a unit
+    test, a draw of the default generator), the node's name and the shard's
+    index over the axes that split the output: shards draw independently,
+    replicas alike, and a recomputed layer (checkpoint keeps the step's seed)
+    draws what its forward drew. Statistically one device's independent
+    draws, not its bit pattern."""
     def run(fn, mesh, out_spec, args, kwargs, dargs):
-        index, count = _shard_seed_index(mesh, out_spec)
-        if count == 1 or not _draws(fn, args, kwargs):
+        if not _draws(fn, args, kwargs):
             return impl(fn, mesh, out_spec, args, kwargs, dargs)
-        seed = int(torch.randint(0, 2**62, (1,)))
+        index, _ = _shard_seed_index(mesh, out_spec)
+        step = getattr(_state, "step_seed", None)
+        seed = step.get(mesh) if step is not None else int(torch.randint(0, 2**62, (1,)))
+        node = zlib.crc32(str(getattr(_state, "node", "")).encode())
+        op_seed = (seed + node * 0xD1B54A32D192ED03 + index * 0x9E3779B97F4A7C15) % 2**62  # odd strides
         devices = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=mesh.device_type):
-            torch.manual_seed(seed + (index * 0x9E3779B97F4A7C15) % 2**62)
+            if mesh.device_type == "cuda":
+                torch.cuda.manual_seed(op_seed)  # this device's generator only
+            else:
+                torch.random.default_generator.manual_seed(op_seed)
             return impl(fn, mesh, out_spec, args, kwargs, dargs)
     return run
 

@@ -536,3 +536,19 @@ def test_parameter_overwritten_in_forward_and_autocast_are_refused_by_name():
     with pytest.raises(AutoparError, match=r"runs a subgraph \(submod_1\) through wrap_with_autocast.*"
                                            r"precision='bf16'"):
         autopar.compile(Autocasts(), inputs, **kw)
+
+
+def test_a_plan_runs_only_in_the_mode_it_was_compiled_in():
+    """The program bakes in dropout and batch norm's mode: the plan records
+    it, and a ParallelModule switched to the other mode refuses to run."""
+    from autopar.errors import AutoparError
+    from autopar.runtime import check_mode
+    model, inputs, loss = load_factory("examples/resnet.py:small")
+    train = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss)
+    evaluation = autopar.compile(model.eval(), inputs, mesh=2, cluster="dgx-a100", loss_fn=loss)
+    assert train.model["training"] is True and evaluation.model["training"] is False
+    assert train.model["fingerprint"] != evaluation.model["fingerprint"]
+    check_mode(True, train)
+    with pytest.raises(AutoparError, match=r"the module is in eval mode but its plan was compiled from the model in "
+                                           r"train mode.*model\.eval\(\) before autopar\.compile"):
+        check_mode(False, train)

@@ -488,24 +488,33 @@ def test_normalize_equation_rejects_wrong_operand_count():
     (aten.rand_like.default, ()),
 ])
 def test_random_ops_draw_per_shard_and_alike_per_replica(target, args):
-    """Every rank's generator is in the same state, so a random op on a split
-    tensor must not give every shard the same draw: shards of a split axis
-    draw differently, ranks of a replicating axis alike, a replicated output
-    is the plain op's draw, and every rank's generator advances the same."""
+    """A random op on a split tensor must not give every shard the same draw
+    (every rank's generator is in the same state), nor the replicas of a
+    replicated one different draws (a script may seed its ranks apart): with
+    the step's shared seed, shards of a split axis draw differently, ranks of
+    a replicating axis alike whatever their own generators, and a node draws
+    the same again (a recomputation); without one (a unit test), every rank's
+    generator advances alike."""
     from autopar import spmd
     impl = spmd.LOCAL_IMPLS[target]
     x = torch.ones(4, 64)
 
-    def draw(coord, spec):
-        torch.manual_seed(0)
-        out = impl(target, _RankMesh(coord, (2, 2)), spec, [x, *args], {}, None)
+    def draw(coord, spec, own_seed=0, node="dropout_1", step=None):
+        torch.manual_seed(own_seed)
+        with spmd._scoped("step_seed", step), spmd._scoped("node", node):
+            out = impl(target, _RankMesh(coord, (2, 2)), spec, [x, *args], {}, None)
         out = out[0] if isinstance(out, tuple) else out
         return out, torch.rand(1).item()
 
-    split = (Shard(0), Replicate())
-    (a, after_a), (b, after_b), (c, after_c) = (draw(coord, split) for coord in ((0, 0), (1, 0), (0, 1)))
-    assert not torch.equal(a, b) and torch.equal(a, c) and after_a == after_b == after_c
-    torch.manual_seed(0)
-    plain = target(x, *args)
-    plain = plain[0] if isinstance(plain, tuple) else plain
-    assert torch.equal(draw((1, 1), (Replicate(), Replicate()))[0], plain)
+    step = spmd.StepSeed()
+    step.seed = 1234  # what rank 0 would have broadcast
+    split, whole = (Shard(0), Replicate()), (Replicate(), Replicate())
+    coords = ((0, 0), (1, 0), (0, 1))
+    a, b, c = (draw(coord, split, own_seed=k, step=step)[0] for k, coord in enumerate(coords))
+    assert not torch.equal(a, b) and torch.equal(a, c)
+    r0, r1 = draw((0, 0), whole, own_seed=1, step=step)[0], draw((1, 1), whole, own_seed=2, step=step)[0]
+    assert torch.equal(r0, r1)
+    assert torch.equal(draw((1, 1), whole, step=step)[0], r0)  # the same node again: the same draw
+    assert not torch.equal(draw((0, 0), whole, node="dropout_2", step=step)[0], r0)
+    (a, after_a), (b, after_b) = draw((0, 0), split), draw((1, 0), split)
+    assert not torch.equal(a, b) and after_a == after_b

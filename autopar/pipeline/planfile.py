@@ -134,6 +134,7 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
                            "local_shape": list(local_shape(node.out.shape, spec, inner.shape))})
     from autopar.compiler import _placeholders
     model_info = {"source": source, "fingerprint": graph.fingerprint(), "has_loss": graph.has_loss,
+                  "training": graph.training,
                   "placeholders": _placeholders(graph), "out_spec": graph.out_spec,
                   "microbatch_size": prof.microbatch}
     sol = prof.solution
