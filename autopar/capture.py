@@ -46,7 +46,7 @@ class Node:
     input_index: int = -1
     """Position among the user inputs, for INPUT nodes."""
     state_update: bool = False
-    """An in-place op on a parameter or buffer (``updates_state``)."""
+    """An in-place op on a buffer (``updates_state``)."""
 
     @property
     def op_name(self) -> str:
@@ -332,7 +332,8 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
     accepts on the runtime's local tensors. That is exact when nothing reads
     the overwritten tensor afterwards (nor a view of it, nor, for a view, its
     base); otherwise the model is refused, naming the op. In-place updates of
-    parameters and buffers (state) stay in place (runtime: spmd.state_update)."""
+    buffers (state) stay in place (runtime: spmd.state_update); of parameters,
+    which are sharded, are refused."""
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
 
     def read_after(t: fx.Node, op: fx.Node, chain: fx.Node) -> list:

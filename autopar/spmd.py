@@ -383,7 +383,7 @@ def _recomputing() -> bool:
 
 
 def state_update(node: str, fn, spec: str, *args, **kwargs):
-    """An in-place op on a buffer or parameter (a step counter, an EMA): run
+    """An in-place op on a buffer (a step counter, an EMA, batch norm's count): run
     once per step, not again when its layer is recomputed (the buffer holds
     what the forward left, which is what the op returns)."""
     if _recomputing():

@@ -206,11 +206,11 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     scatter_add, topk, variance, logsumexp, norms, padding, flip, roll,
     cumprod, activations; and a U-Net step (batch norm with running
     statistics, pooling, transposed convolution, upsampling, BCE on logits):
-    the solved plan and two random plans each, on a 2x2 mesh, train like one
-    device (one launch)."""
+    the solved plan and a random plan each, on a 2x2 mesh, train like one
+    device (one launch; tests/test_rules.py checks every row of their rules)."""
     sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter"]
-    reports = verify(sources, "2x2", 4, tmp_path, random_plans=2)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 6
+    reports = verify(sources, "2x2", 4, tmp_path, random_plans=1)
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 4
     assert_agrees(reports)
 
 
@@ -226,17 +226,22 @@ def test_measured_step_of_the_collective_chain():
 
 
 def test_dropout_draws_follow_the_step_not_each_ranks_generator():
-    """GPT with dropout p = 0.3 on 2x2 (tests/fixtures/dropout_ranks.py), the
-    ranks' generators seeded apart after compiling: the losses are the same
-    whatever the other ranks' seeds (the draws come from the step's seed,
-    which rank 0 broadcasts), the same on every rank, and the same with every
-    block recomputed as without (a recomputed block draws its forward's masks)."""
-    losses = {}
-    for recompute, offset in (("none", 1000), ("none", 2000), ("full", 1000)):
-        proc = torchrun(["tests/fixtures/dropout_ranks.py", "tests/fixtures/fastnet.json", recompute, str(offset)], 4)
-        assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
-        steps = [json.loads(line.split("losses ")[1]) for line in proc.stdout.splitlines() if "losses" in line]
+    """GPT with dropout p = 0.3 on 2x2 (tests/fixtures/dropout_ranks.py, one
+    launch), the ranks' generators seeded apart after compiling: the losses are
+    the same whatever the other ranks' seeds (the draws come from the step's
+    seed, which rank 0 broadcasts), the same on every rank, and the same with
+    every block recomputed as without (a recomputed block draws its forward's
+    masks)."""
+    proc = torchrun(["tests/fixtures/dropout_ranks.py", "tests/fixtures/fastnet.json"], 4)
+    assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
+    runs = {}
+    for line in proc.stdout.splitlines():
+        if "losses" in line:
+            head, values = line.split(": losses ")
+            runs[head] = json.loads(values)
+    assert sorted(runs) == ["recompute full offset 1000", "recompute none offset 1000", "recompute none offset 2000"]
+    for steps in runs.values():
         assert len(steps) == 2 and all(len(set(s)) == 1 for s in steps), steps  # every rank the same
-        losses[recompute, offset] = [s[0] for s in steps]
-    assert losses["none", 1000] == losses["none", 2000]
-    assert losses["full", 1000] == pytest.approx(losses["none", 1000], rel=1e-5)
+    first = {head: [s[0] for s in steps] for head, steps in runs.items()}
+    assert first["recompute none offset 1000"] == first["recompute none offset 2000"]
+    assert first["recompute full offset 1000"] == pytest.approx(first["recompute none offset 1000"], rel=1e-5)
