@@ -185,8 +185,11 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     lists = layer_lists(graph)
     half = {(lst, i) for lst, idx in lists.items() for i in idx[: len(idx) // 2]}
     wanted = ("none", "selective", "full") if mode == "auto" else (mode,)
+    asked = [(m, None) for m in wanted]
+    if partial and mode == "auto" and half:
+        asked.append(("partial", half))
     choices = {}
-    for m, layers in [(m, None) for m in wanted] + ([("partial", half)] if partial and mode == "auto" and half else []):
+    for m, layers in asked:
         try:
             choices[m] = recomputation(graph, m, layers, ctx=ctx)
         except AutoparError as e:

@@ -449,12 +449,14 @@ def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
     return total / count
 
 
-def _shard_index(mesh, placements, dim: int) -> tuple[int, int]:
-    """(index, count) of this rank's piece of a dim sharded on several axes (axis 0 outermost)."""
+def _shard_index(mesh, placements, dim: int | None = None) -> tuple[int, int]:
+    """(index, count) of this rank's piece of a dim sharded on several axes
+    (axis 0 outermost); ``dim`` None: over the axes that split any dim (ranks
+    of an axis that replicates the tensor share an index)."""
     coord = mesh.get_coordinate()
     index, count = 0, 1
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard) and p.dim == dim:
+        if isinstance(p, Shard) and (dim is None or p.dim == dim):
             index = index * mesh.size(axis) + coord[axis]
             count *= mesh.size(axis)
     return index, count
@@ -532,17 +534,6 @@ def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
     return out
 
 
-def _shard_seed_index(mesh, out_spec) -> tuple[int, int]:
-    """(index, count) of this rank's shard of an op's output over the mesh
-    axes that split it; ranks of an axis that replicates it share an index."""
-    coord = mesh.get_coordinate()
-    index, count = 0, 1
-    for axis, p in enumerate(out_spec):
-        if isinstance(p, Shard):
-            index, count = index * mesh.size(axis) + coord[axis], count * mesh.size(axis)
-    return index, count
-
-
 class StepSeed:
     """One random seed per training step, the same on every rank: rank 0 draws
     it and broadcasts it, once, at the step's first random op. Random ops
@@ -560,7 +551,6 @@ class StepSeed:
             torch.distributed.broadcast(value, src=0)
             self.seed = int(value.item())
         return self.seed
-
 
 
 def random_step():
@@ -584,7 +574,7 @@ def _per_shard_rng(impl):
     def run(fn, mesh, out_spec, args, kwargs, dargs):
         if not _draws(fn, args, kwargs):
             return impl(fn, mesh, out_spec, args, kwargs, dargs)
-        index, _ = _shard_seed_index(mesh, out_spec)
+        index, _ = _shard_index(mesh, out_spec)
         step = getattr(_state, "step_seed", None)
         seed = step.get(mesh) if step is not None else int(torch.randint(0, 2**62, (1,)))
         node = zlib.crc32(str(getattr(_state, "node", "")).encode())

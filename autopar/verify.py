@@ -51,7 +51,7 @@ def random_plan(model, inputs, loss_fn, mesh, cluster, seed: int) -> Plan:
 
 
 def _full_grad(p, placements, mesh):
-    """The whole gradient (zeros where backward gave none: a parameter used
+    """The whole gradient, or None where backward gave none (a parameter used
     only under no_grad, which the reference then has none for either)."""
     if p.grad is None:
         return None

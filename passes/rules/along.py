@@ -11,34 +11,24 @@ from torch.ops import aten
 
 from autopar.passes.rules import OpInfo, register
 from autopar.passes.rules.reduction import reduction_rows
+from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import R, Row, S
 
 
 def _dims(value, nd: int) -> list:
-    """The dims an op works along: an int, a list, or None/[] for all."""
-    if value is None or value == []:
+    """The dims an op works along: an int, a list, or None or an empty list for all."""
+    if value is None or (not isinstance(value, int) and len(value) == 0):
         return list(range(nd))
     return sorted({d % nd for d in ([value] if isinstance(value, int) else value)})
 
 
-def _same_shape_rows(info: OpInfo, along: list, n_in: int = 1) -> list[Row]:
-    """Output of the input's shape: split any dim not worked along (every
-    tensor input the same shape splits with it)."""
-    x = info.inputs[0]
-    rows = [Row(S(d), (S(d),) * n_in) for d in range(x.ndim) if d not in along and x.shape[d] > 1]
-    rows.append(Row(R, (R,) * n_in))
-    return rows
-
-
-# op -> (position of dim, name, position of keepdim, default dims): a reduction with no Partial form
+# op -> (position of ``dim``, position of ``keepdim``): a reduction with no Partial form
 _REDUCE_ALONG = {
-    aten.var.correction: (1, "dim", 3, None), aten.std.correction: (1, "dim", 3, None),
-    aten.var.dim: (1, "dim", 3, None), aten.std.dim: (1, "dim", 3, None),
-    aten.var_mean.correction: (1, "dim", 3, None), aten.std_mean.correction: (1, "dim", 3, None),
-    aten.logsumexp.default: (1, "dim", 2, None), aten.linalg_vector_norm.default: (2, "dim", 3, None),
-    aten.prod.dim_int: (1, "dim", 2, None), aten.all.dim: (1, "dim", 2, None), aten.any.dim: (1, "dim", 2, None),
-    aten.argmax.default: (1, "dim", 2, None), aten.argmin.default: (1, "dim", 2, None),
-    aten.max.dim: (1, "dim", 2, None), aten.min.dim: (1, "dim", 2, None),
+    aten.var.correction: (1, 3), aten.std.correction: (1, 3), aten.var.dim: (1, 3), aten.std.dim: (1, 3),
+    aten.var_mean.correction: (1, 3), aten.std_mean.correction: (1, 3), aten.logsumexp.default: (1, 2),
+    aten.linalg_vector_norm.default: (2, 3), aten.prod.dim_int: (1, 2), aten.all.dim: (1, 2),
+    aten.any.dim: (1, 2), aten.argmax.default: (1, 2), aten.argmin.default: (1, 2), aten.max.dim: (1, 2),
+    aten.min.dim: (1, 2),
 }
 
 
@@ -47,8 +37,8 @@ def reduce_along_rule(info: OpInfo):
     """var/std (and their _mean pairs), logsumexp, a vector norm, prod, all/any,
     argmax/argmin and max/min over dims: split the kept dims (a split reduced
     dim would need the other ranks' values, not a sum of local results)."""
-    dim_at, name, keep_at, _ = _REDUCE_ALONG[info.target]
-    dims = info.arg(dim_at, name)
+    dim_at, keep_at = _REDUCE_ALONG[info.target]
+    dims = info.arg(dim_at, "dim")
     x = info.inputs[0]
     if info.target in (aten.argmax.default, aten.argmin.default) and dims is None:
         return [Row(R, (R,))]  # over the flattened tensor
@@ -59,37 +49,36 @@ def reduce_along_rule(info: OpInfo):
 def along_one_dim_rule(info: OpInfo):
     """sort/argsort (dim -1 by default), cumprod and logcumsumexp along ``dim``."""
     default = -1 if info.target in (aten.sort.default, aten.argsort.default) else None
-    return _same_shape_rows(info, _dims(info.arg(1, "dim", default), info.inputs[0].ndim))
+    return other_dims_rows(info, _dims(info.arg(1, "dim", default), info.inputs[0].ndim))
 
 
 @register(aten.flip.default)
 def flip_rule(info: OpInfo):
-    return _same_shape_rows(info, _dims(info.arg(1, "dims"), info.inputs[0].ndim))
+    return other_dims_rows(info, _dims(info.arg(1, "dims"), info.inputs[0].ndim))
 
 
 @register(aten.roll.default)
 def roll_rule(info: OpInfo):
     """roll(x, shifts, dims): without dims it rolls the flattened tensor."""
-    dims = info.arg(2, "dims", [])
-    return _same_shape_rows(info, _dims(dims, info.inputs[0].ndim) if dims else list(range(info.inputs[0].ndim)))
+    return other_dims_rows(info, _dims(info.arg(2, "dims", []), info.inputs[0].ndim))
 
 
 @register(aten.tril.default, aten.triu.default)
 def triangle_rule(info: OpInfo):
     """tril/triu keep a triangle of the last two dims: the leading dims split."""
     nd = info.inputs[0].ndim
-    return _same_shape_rows(info, [nd - 2, nd - 1])
+    return other_dims_rows(info, [nd - 2, nd - 1])
 
 
-@register(aten.constant_pad_nd.default, aten.pad.default, aten.reflection_pad1d.default, aten.reflection_pad2d.default,
-          aten.reflection_pad3d.default, aten.replication_pad1d.default, aten.replication_pad2d.default,
-          aten.replication_pad3d.default)
+@register(aten.constant_pad_nd.default, aten.pad.default, aten.reflection_pad1d.default,
+          aten.reflection_pad2d.default, aten.reflection_pad3d.default, aten.replication_pad1d.default,
+          aten.replication_pad2d.default, aten.replication_pad3d.default)
 def pad_rule(info: OpInfo):
     """Padding of the last len(pad) / 2 dims: the leading dims split."""
     nd = info.inputs[0].ndim
     pad = info.arg(1, "pad")  # the reflection and replication pads call it "padding"
     padded = len(pad if pad is not None else info.kwargs["padding"]) // 2
-    return _same_shape_rows(info, list(range(nd - padded, nd)))
+    return other_dims_rows(info, list(range(nd - padded, nd)))
 
 
 @register(aten.repeat.default)
@@ -125,5 +114,5 @@ def fill_rule(info: OpInfo):
     given size (the input only gives dtype and device): the same replicated
     tensor on every rank."""
     if info.target is aten.fill.Scalar:
-        return _same_shape_rows(info, [])
+        return other_dims_rows(info, [])
     return [Row(R, (R,) * len(info.inputs))]

@@ -1,5 +1,6 @@
-"""Ops the example models need beyond the core families: batch and group norm,
-advanced indexing, resampling (interpolate), pooling, einsum, routing (topk, one_hot), scans, broadcast_tensors and the
+"""Ops the example models need beyond the core families: batch, instance and
+group norm, advanced indexing, resampling (interpolate), pooling, einsum,
+routing (topk, one_hot), scans, broadcast_tensors and the
 gather/scatter index ops.
 
 Every row is exact when the op runs on the local shards with its own
@@ -21,6 +22,13 @@ from autopar.passes.strategy import P, R, Row, S
 # --- normalisation ---------------------------------------------------------
 
 
+def _norm_tensor_args(info: OpInfo) -> list:
+    """Argument positions of batch or instance norm's tensor inputs after the
+    input: weight 1, bias 2, running_mean 3, running_var 4, those not None."""
+    return [i for i, name in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
+            if info.arg(i, name) is not None]
+
+
 @register(aten.batch_norm.default)
 def batch_norm_rule(info: OpInfo):
     """batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn).
@@ -34,8 +42,7 @@ def batch_norm_rule(info: OpInfo):
     inputs are the buffers themselves (replicated), which every rank updates
     with the global batch's statistics of every channel."""
     x = info.inputs[0]
-    aux = [i for i, name in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
-           if info.arg(i, name) is not None]  # argument positions of the tensor inputs after the input
+    aux = _norm_tensor_args(info)
     updated = {3, 4} if info.arg(5, "training", False) else set()
     rows = []
     if x.ndim >= 2 and x.shape[1] > 1:
@@ -55,8 +62,7 @@ def instance_norm_rule(info: OpInfo):
     batch, in place: replicated only. With running statistics in eval the op
     is a per-channel affine map: any dim splits."""
     x = info.inputs[0]
-    aux = [i for i, name in enumerate(("weight", "bias", "running_mean", "running_var"), 1)
-           if info.arg(i, name) is not None]
+    aux = _norm_tensor_args(info)
     uses_input = info.arg(5, "use_input_stats", True)
     if uses_input and 3 in aux:
         return [Row(R, (R,) * len(info.inputs))]

@@ -77,13 +77,16 @@ def expand_rule(info: OpInfo):
     return map_rows(info, {i: i + lead for i in range(len(x)) if x[i] == out[i + lead]}, partial_ok=False)
 
 
-def _other_dims_rows(info: OpInfo, dim: int, n_in: int, drop: bool = False) -> list[Row]:
+def other_dims_rows(info: OpInfo, dims, n_in: int = 1, drop: bool = False) -> list[Row]:
+    """Split any dim but ``dims`` (one dim, or several), every tensor input
+    with it; ``drop``: the output lacks that one dim (select, unbind)."""
     x = info.inputs[0]
+    along = {dims} if isinstance(dims, int) else set(dims)
     rows = []
     for d in range(x.ndim):
-        if d == dim or x.shape[d] == 1:
+        if d in along or x.shape[d] == 1:
             continue
-        o = d - 1 if drop and d > dim else d
+        o = d - 1 if drop and d > dims else d
         rows.append(Row(S(o), (S(d),) * n_in))
     rows.append(Row(R, (R,) * n_in))
     return rows
@@ -97,19 +100,19 @@ def slice_rule(info: OpInfo):
     dim = info.arg(2, "dim", default) if info.target is not aten.slice.Tensor else info.arg(1, "dim", 0)
     if info.target is aten.narrow.default:
         dim = info.arg(1, "dim")
-    return _other_dims_rows(info, dim % nd, 1)
+    return other_dims_rows(info, dim % nd, 1)
 
 
 @register(aten.select.int, aten.unbind.int)
 def select_rule(info: OpInfo):
     nd = info.inputs[0].ndim
-    return _other_dims_rows(info, info.arg(1, "dim", 0) % nd, 1, drop=True)
+    return other_dims_rows(info, info.arg(1, "dim", 0) % nd, 1, drop=True)
 
 
 @register(aten.cat.default)
 def cat_rule(info: OpInfo):
     nd = info.out.ndim
-    return _other_dims_rows(info, info.arg(1, "dim", 0) % nd, len(info.inputs))
+    return other_dims_rows(info, info.arg(1, "dim", 0) % nd, len(info.inputs))
 
 
 @register(aten.stack.default)
