@@ -155,10 +155,12 @@ def fit_element_time(rows: list[dict]) -> dict:
 
 def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
                      known_peaks: dict | None, links: Cluster | None = None,
-                     special_function_rate: float = 0.0) -> Cluster:
+                     special_function_rate: float = 0.0, synchronous_mma_fraction: float = 1.0) -> Cluster:
     """Fit the cost model's constants to raw timings (see module docstring).
     ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known;
-    ``special_function_rate``: its SFU rate from the same preset (not measured).
+    ``special_function_rate``, ``synchronous_mma_fraction``: its SFU rate and
+    what Ampere-style kernels reach of the measured GEMM rate, from the same
+    preset (not measured: the GEMMs timed are cuBLAS's, native on any GPU);
     ``links``: where the node size and the links come from when one rank
     measured no collectives (the raw timings then list none)."""
     n = raw["world_size"]
@@ -176,7 +178,8 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
     element_time = fit_element_time(raw.get("elements", []))
     device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
                     gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency,
-                    element_time=element_time, special_function_rate=special_function_rate)
+                    element_time=element_time, special_function_rate=special_function_rate,
+                    synchronous_mma_fraction=synchronous_mma_fraction)
     fit = {
         "gemm_rate_flops": rate, "gemm_latency_s": gemm_latency,
         "gemm_residuals": _relative_residuals([gemm_latency + g["flops"] / rate for g in gemm],
@@ -231,14 +234,15 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
         datasheet = get_cluster(preset).device if preset else None
         known = dict(datasheet.peak_flops) if datasheet else None
         sfu = datasheet.special_function_rate if datasheet else 0.0
+        mma = datasheet.synchronous_mma_fraction if datasheet else 1.0
     else:
-        memory, device_name, known, sfu = _host_memory() / nproc, "cpu-rank", None, 0.0
+        memory, device_name, known, sfu, mma = _host_memory() / nproc, "cpu-rank", None, 0.0, 1.0
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         raw = run_workers(nproc, backend, os.path.join(tmp, "raw.json"))
     raw["load_average_before"] = load_before  # other work on the machine skews the timings
     today = datetime.date.today().isoformat()
-    peak_note = ("peak and special_function_rate = the preset's datasheet figures" if known else
+    peak_note = ("peak, special_function_rate and synchronous_mma_fraction = the preset's figures" if known else
                  "peak_flops = the measured asymptotic GEMM rate of one rank (no datasheet figure)")
     sweeps = (f"all_reduce + all_gather sweeps {raw['collectives'][0]['bytes']:.0f} B.."
               f"{raw['collectives'][-1]['bytes'] / 2**20:.0f} MiB" if raw["collectives"] else
@@ -251,7 +255,7 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
               f"1-min load average before: {load_before:.2f}")
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
                                source=source, device_name=device_name, memory=memory, known_peaks=known,
-                               links=links, special_function_rate=sfu)
+                               links=links, special_function_rate=sfu, synchronous_mma_fraction=mma)
     _write(cluster, out_path)
     # The runtime's own costs are measured by running emitted programs priced
     # with this profile less the overheads being measured: per call, per

@@ -118,6 +118,14 @@ class Device:
     FlashAttention kernel and a compiled plan's scaled_dot_product_attention
     alike). 0 where not modelled (CPU ranks, whose exp is measured per
     element in ``element_time``)."""
+    synchronous_mma_fraction: float = 1.0
+    """Fraction of the GEMM rate that kernels built on the synchronous,
+    warp-level tensor-core instruction of Ampere and older (``mma.sync``:
+    FlashAttention-1 and -2, PyTorch's flash attention, Triton before its
+    Hopper support) reach on this device. 1 where that instruction is the
+    tensor cores' native one (V100, A100, CPU ranks); below 1 on Hopper, whose
+    full rate needs the asynchronous warpgroup MMA (``wgmma``) that cuBLAS and
+    FlashAttention-3 issue (HOPPER_SYNCHRONOUS_MMA_FRACTION)."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more
@@ -144,6 +152,7 @@ class Device:
         _positive(where, "step_overhead (s)", self.step_overhead, allow_zero=True)
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
         _positive(where, "special_function_rate (1/s)", self.special_function_rate, allow_zero=True)
+        _fraction(where, "synchronous_mma_fraction", self.synchronous_mma_fraction)
         if not isinstance(self.element_time, dict):
             raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "
                                f"got {self.element_time!r}")
@@ -349,10 +358,25 @@ def get_cluster(spec) -> Cluster:
 # error). GEMM latency 3 us: the intercept implied by Calculon's A100 matrix
 # efficiency table (60% of the asymptote at 1 GFLOP; Isaev et al. SC'23,
 # github.com/calculon-ai/calculon systems/a100_80g.json). H100, H200 and V100
-# reuse the A100 fractions (same cuBLAS/NCCL software stack); that is an
-# assumption, flagged in docs/clusters.md.
+# reuse the A100's streaming fraction and V100 its GEMM fraction too (same
+# cuBLAS/NCCL software stack); that is an assumption, flagged in docs/clusters.md.
+#
+# The H100 and H200 GEMM fraction is the A100's scaled by how far each GPU's
+# own matmuls fall short of its datasheet peak in the same benchmark: the
+# "Maximum Achievable Matmul FLOPS" of a bf16 torch.mm at the best shape, mean
+# of 100 iterations, is 271.2 of 312 TFLOP/s on an A100 SXM (86.9%, torch 2.6
+# cu126) and 794.5 of 989 on an H100 SXM (80.3%, torch 2.7 cu126; "H200 is the
+# same") (S. Bekman, Machine Learning Engineering, compute/accelerator/README.md,
+# "Maximum Achievable Matmul FLOPS comparison table"). The H100 runs closer to
+# its power limit, so its clock drops further below the one its peak assumes.
 A100_GEMM_EFFICIENCY = 0.66
 """Asymptotic GEMM fraction of peak, A100 (fit, benchmarks/validate_cost_model.py --fit)."""
+MATMUL_FRACTION_A100 = 271.2 / 312
+MATMUL_FRACTION_H100 = 794.5 / 989
+"""Best-shape bf16 matmul throughput over datasheet peak (Bekman's MAMF table, above)."""
+H100_GEMM_EFFICIENCY = round(A100_GEMM_EFFICIENCY * MATMUL_FRACTION_H100 / MATMUL_FRACTION_A100, 3)
+"""Asymptotic GEMM fraction of peak, H100 and H200: the A100's, scaled by the
+ratio of their measured best-shape matmul fractions."""
 A100_MEMORY_EFFICIENCY = 0.78
 """Streaming-kernel fraction of HBM bandwidth, A100 (fit, benchmarks/validate_cost_model.py --fit)."""
 GEMM_LATENCY = 3e-6
@@ -364,8 +388,8 @@ SFU_PER_SM_PER_CLOCK = 16
 7.0, 8.0 and 9.0 (CUDA C++ Programming Guide, "Arithmetic Instructions",
 throughput of native arithmetic instructions). Times SMs and boost clock:
 A100 SXM 108 SMs at 1.41 GHz, H100/H200 SXM 132 at 1.83 GHz (the clocks at
-which 1024 dense bf16 FMA per SM per clock give the datasheet's 312 and 989
-TFLOP/s), V100 SXM2 80 at 1.53 GHz (NVIDIA A100, H100 and V100 architecture
+which 1024 and 2048 dense bf16 FMA per SM per clock give the datasheet's 312
+and 989 TFLOP/s), V100 SXM2 80 at 1.53 GHz (NVIDIA A100, H100 and V100 architecture
 whitepapers). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
 against its 989 TFLOP/s of matmul (Shah et al. 2024, sec. 3)."""
 
@@ -373,25 +397,53 @@ against its 989 TFLOP/s of matmul (Shah et al. 2024, sec. 3)."""
 def _sfu_rate(sms: int, clock_hz: float) -> float:
     return SFU_PER_SM_PER_CLOCK * sms * clock_hz
 
+
+FA2_H100_UTILIZATION = 0.35
+"""FlashAttention-2 reaches "only 35% utilization on the H100 GPU" (Shah et
+al., FlashAttention-3, 2024, abstract), against 50-73% of the A100's peak
+(Dao, FlashAttention-2, 2023, abstract)."""
+
+
+def _synchronous_mma_fraction(peak: float, gemm_efficiency: float, sfu_rate: float, utilization: float,
+                              head_dim: int = 128) -> float:
+    """The fraction f of the GEMM rate at which this roofline prices a
+    FlashAttention-2 forward at the measured ``utilization`` of ``peak``: per
+    score element 4 d FLOPs at ``peak * gemm_efficiency * f`` plus one
+    exponential on the SFUs, against 4 d FLOPs at ``peak * utilization``."""
+    flops = 4.0 * head_dim
+    return (flops / (peak * gemm_efficiency)) / (flops / (peak * utilization) - 1.0 / sfu_rate)
+
+
+HOPPER_SYNCHRONOUS_MMA_FRACTION = round(
+    _synchronous_mma_fraction(989e12, H100_GEMM_EFFICIENCY, _sfu_rate(132, 1.83e9), FA2_H100_UTILIZATION), 2)
+"""H100/H200: what FlashAttention-2's measured utilization implies for
+``mma.sync`` kernels (head dim 128, the common one), about 0.70: the same
+kernel at the full GEMM rate would price at 47% of peak."""
+
 _GPU_EFFICIENCIES = dict(gemm_efficiency=A100_GEMM_EFFICIENCY, gemm_latency=GEMM_LATENCY,
                          memory_efficiency=A100_MEMORY_EFFICIENCY, op_latency=KERNEL_LATENCY)
 
 A100_80GB = Device("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 2039 * GB,
                    special_function_rate=_sfu_rate(108, 1.41e9), **_GPU_EFFICIENCIES)
+_HOPPER_EFFICIENCIES = dict(_GPU_EFFICIENCIES, gemm_efficiency=H100_GEMM_EFFICIENCY,
+                            synchronous_mma_fraction=HOPPER_SYNCHRONOUS_MMA_FRACTION)
 H100_80GB = Device("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 3350 * GB,
-                   special_function_rate=_sfu_rate(132, 1.83e9), **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
 H200 = Device("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 4800 * GB,
-              special_function_rate=_sfu_rate(132, 1.83e9), **_GPU_EFFICIENCIES)
+              special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
 V100_32GB = Device("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 32 * GB, 900 * GB,
                    special_function_rate=_sfu_rate(80, 1.53e9), **_GPU_EFFICIENCIES)
 
 BORROWED_EFFICIENCIES = (
     "its GEMM and memory efficiencies are the A100's fit, not measured on this GPU, and `autopar calibrate` on one "
     "measures its own; ")
+HOPPER_EFFICIENCIES_NOTE = (
+    "its GEMM efficiency is the A100's fit scaled by the two GPUs' published matmul benchmarks and its memory "
+    "efficiency the A100's, not measured on this GPU (`autopar calibrate` on one measures its own); ")
 H100_CHECKED = (
-    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) they made predictions 28% fast on average, "
-    "against Llama 3 405B within 11% (docs/validation.md)")
-"""The caveats of the presets that reuse the A100's fitted fractions."""
+    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) predictions are 15% fast on average up to "
+    "4,096 tokens (MAPE 15.8%) and 8% beyond, against Llama 3 405B -6% and -18% (docs/validation.md)")
+"""The caveats of the presets whose efficiencies were not measured on their GPU."""
 
 NVLINK3 = Link(240 * GB, 5e-6)
 NVLINK4 = Link(370 * GB, 5e-6)
@@ -406,12 +458,12 @@ register_cluster(Cluster(
 register_cluster(Cluster(
     "dgx-h100", H100_80GB, 8, NVLINK4, IB_NDR,
     source="DGX H100: 8 x H100 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
-    caveat=BORROWED_EFFICIENCIES + H100_CHECKED,
+    caveat=HOPPER_EFFICIENCIES_NOTE + H100_CHECKED,
 ))
 register_cluster(Cluster(
     "h200", H200, 8, NVLINK4, IB_NDR,
     source="HGX H200: 8 x H200 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
-    caveat=BORROWED_EFFICIENCIES + "no H200 run has been checked; on the H100, which has the same compute, "
+    caveat=HOPPER_EFFICIENCIES_NOTE + "no H200 run has been checked; on the H100, which has the same compute, "
            + H100_CHECKED,
 ))
 register_cluster(Cluster(

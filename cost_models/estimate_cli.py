@@ -61,8 +61,9 @@ def estimate_parser() -> argparse.ArgumentParser:
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     plan.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value)
     plan.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=AttentionKernel.FLASH.value,
-                      help="attention kernel: flash (FlashAttention-2, the default), flash1 (its first generation "
-                           "or Triton port, twice as slow), unfused (Megatron-LM 2021)")
+                      help="attention kernel: flash (FlashAttention-2, PyTorch's; the default), flash3 "
+                           "(FlashAttention-3 or cuDNN's, Hopper), flash1 (FlashAttention's first generation or "
+                           "Triton port, twice as slow as flash), unfused (Megatron-LM 2021)")
     hw = ap.add_argument_group("hardware")
     hw.add_argument("--cluster", required=True, metavar="NAME",
                     help=f"preset ({', '.join(cluster_names())}) or cluster/profile JSON file")

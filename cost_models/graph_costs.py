@@ -146,8 +146,10 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     metas = (*node.info.inputs, *node.info.outputs)
     nbytes = sum(ctx.tensor_bytes(m) for m in metas)
     op, elements = op_name(node), max(math.prod(m.shape) for m in metas) / work
+    special = op_special(node) / work
+    # PyTorch's fused attention on GPUs runs FlashAttention-2's kernels.
     fwd = op_time(op_flops(node) / work, nbytes / work, dev, dtype, matmul=matmul,
-                  measured=dev.element_seconds(op, elements), special=op_special(node) / work)
+                  measured=dev.element_seconds(op, elements), special=special, synchronous_mma=special > 0)
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
     # about one pass over the same data, at their own measured rate if any.
     bwd = 0.0

@@ -209,10 +209,16 @@ class Kernel:
     slowdown: float = 1.0
     """Time over what the roofline gives it: a kernel generation known to be
     slower than the one the roofline's constants describe (FLASH1_SLOWDOWN)."""
+    synchronous_mma: bool = False
+    """Issues Ampere's tensor-core instructions (FlashAttention-1 and -2)."""
+    overlap_special: bool = False
+    """Runs its exponentials beside its GEMMs (FlashAttention-3)."""
 
     def seconds(self, device, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds on ``device`` in compute dtype ``dtype``."""
-        return tuple(self.slowdown * op_time(flops, nbytes, device, dtype, matmul=self.matmul, special=self.special)
+        return tuple(self.slowdown * op_time(flops, nbytes, device, dtype, matmul=self.matmul, special=self.special,
+                                             synchronous_mma=self.synchronous_mma,
+                                             overlap_special=self.overlap_special)
                      for flops, nbytes in ((self.fwd_flops, self.fwd_bytes), (self.bwd_flops, self.bwd_bytes)))
 
 
@@ -279,7 +285,9 @@ def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
         shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
         slowdown = FLASH1_SLOWDOWN if plan.attention is AttentionKernel.FLASH1 else 1.0
         return [Kernel("flash-attention", 4.0 * d * scores, nbytes, FLASH_BACKWARD_WORK * 4.0 * d * scores,
-                       2 * nbytes, True, True, shape, special=scores, slowdown=slowdown)]
+                       2 * nbytes, True, True, shape, special=scores, slowdown=slowdown,
+                       synchronous_mma=plan.attention.synchronous_mma,
+                       overlap_special=plan.attention is AttentionKernel.FLASH3)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
     mask = 1 if model.dropout else 0

@@ -52,10 +52,20 @@ class AttentionKernel(str, Enum):
     """FlashAttention's first generation or its Triton port (flash_attn_triton.py
     of the FlashAttention 1.x package, which MPT's ``attn_impl: triton`` runs):
     the same fused kernel and memory, at its own speed."""
+    FLASH3 = "flash3"
+    """FlashAttention-3 (Hopper; cuDNN's fused attention works alike): the
+    same fused kernel and memory, issuing Hopper's asynchronous warpgroup MMA
+    and overlapping the softmax's exponentials with the GEMMs (Shah et al.
+    2024, sec. 3.1-3.2)."""
 
     @property
     def fused(self) -> bool:
         return self is not AttentionKernel.UNFUSED
+
+    @property
+    def synchronous_mma(self) -> bool:
+        """Written for Ampere's tensor-core instructions (Device.synchronous_mma_fraction)."""
+        return self in (AttentionKernel.FLASH, AttentionKernel.FLASH1)
 
 
 # --- the model and the plan --------------------------------------------------

@@ -99,12 +99,58 @@ def test_op_time_is_a_roofline():
 
 
 def test_presets_with_borrowed_efficiencies_say_so():
-    """The A100's efficiencies are fitted on it; the H100, H200 and V100
-    presets reuse them, and their caveat says that and what it has cost."""
+    """The A100's efficiencies are fitted on it; the other GPU presets'
+    are derived from or reuse them, and their caveat says that and what it
+    has cost."""
     assert get_cluster("dgx-a100").caveat == "" and get_cluster("cpu").caveat == ""
-    for name in ("dgx-h100", "h200", "p3.16xlarge"):
-        assert get_cluster(name).caveat.startswith("its GEMM and memory efficiencies are the A100's fit")
+    for name in ("dgx-h100", "h200"):
+        assert get_cluster(name).caveat.startswith("its GEMM efficiency is the A100's fit scaled by")
+        assert "MosaicML's 52 published H100 runs" in get_cluster(name).caveat
+    assert get_cluster("p3.16xlarge").caveat.startswith("its GEMM and memory efficiencies are the A100's fit")
     assert "no published V100 run" in get_cluster("p3.16xlarge").caveat
+
+
+def test_hopper_gemm_efficiency_is_the_a100s_scaled_by_measured_matmul_fractions():
+    """Best-shape bf16 matmuls reach 271.2 of 312 TFLOP/s on an A100 and
+    794.5 of 989 on an H100 (the same benchmark): the H100 and H200 presets
+    scale the A100's fitted whole-run fraction by that ratio, not by a fit."""
+    a100 = A100.device.gemm_efficiency
+    for name in ("dgx-h100", "h200"):
+        dev = get_cluster(name).device
+        assert dev.gemm_efficiency == pytest.approx(a100 * (794.5 / 989) / (271.2 / 312), abs=1e-3)
+        assert dev.gemm_efficiency < a100 and dev.memory_efficiency == A100.device.memory_efficiency
+    assert get_cluster("p3.16xlarge").device.gemm_efficiency == a100
+
+
+def test_flash_attention_2_on_an_h100_prices_at_its_published_utilization():
+    """FlashAttention-2 issues Ampere's mma.sync and reaches 35% of an H100's
+    peak (FlashAttention-3 paper); at head dim 128 and a long sequence the
+    H100 preset prices its forward there: 512 FLOPs and one exponential per
+    score at the synchronous-MMA fraction of the GEMM rate. Native kernels
+    (cuBLAS GEMMs, FlashAttention-3) and Ampere-native GPUs pay no fraction."""
+    h100 = get_cluster("dgx-h100").device
+    scores = 1e12
+    flops, nbytes = 4 * 128 * scores, 1e6
+    fa2 = op_time(flops, nbytes, h100, "bf16", matmul=True, special=scores, synchronous_mma=True)
+    assert flops / fa2 / 989e12 == pytest.approx(0.35, abs=0.005)
+    assert 0.6 < h100.synchronous_mma_fraction < 0.8
+    native = op_time(flops, nbytes, h100, "bf16", matmul=True, special=scores)
+    assert native < fa2
+    assert A100.device.synchronous_mma_fraction == 1.0
+    assert op_time(flops, nbytes, A100.device, "bf16", matmul=True, special=scores, synchronous_mma=True) == \
+        op_time(flops, nbytes, A100.device, "bf16", matmul=True, special=scores)
+
+
+def test_overlapped_exponentials_cost_the_larger_of_the_two():
+    """FlashAttention-3 runs its exponentials beside its GEMMs: the kernel
+    takes the larger of GEMM and SFU time, not their sum."""
+    h100 = get_cluster("dgx-h100").device
+    gemm = op_time(1e12, 1e6, h100, "bf16", matmul=True)
+    for special in (1e9, 1e12):
+        sfu = special / h100.special_function_rate
+        overlapped = op_time(1e12, 1e6, h100, "bf16", matmul=True, special=special, overlap_special=True)
+        assert overlapped == pytest.approx(h100.gemm_latency + max(gemm - h100.gemm_latency, sfu))
+        assert overlapped < op_time(1e12, 1e6, h100, "bf16", matmul=True, special=special)
 
 
 def test_fused_attention_waits_on_its_exponentials():
@@ -136,6 +182,13 @@ def test_compiled_attention_counts_one_exponential_per_score():
     fast = _compute(graph, _with_device(A100, special_function_rate=1e30))[sdpa[0].name][0]
     slow = _compute(graph, _with_device(A100, special_function_rate=1e9))[sdpa[0].name][0]
     assert slow - fast == pytest.approx(2 * 4 * 16 * 32 / 1e9, rel=1e-6)
+    # PyTorch's fused attention is FlashAttention-2's kernel: on a GPU whose
+    # synchronous MMA is slower its GEMM part is priced slower; a linear is not.
+    big = _captured(Attention(), *(torch.randn(4, 16, 1024, 128) for _ in range(3)), torch.randn(4, 16, 1024, 128))
+    node = next(n for n in big.nodes.values() if op_special(n) > 0)
+    fp32 = _with_device(A100, special_function_rate=1e30, gemm_latency=0.0, op_latency=0.0)
+    full, half = (_compute(big, _with_device(fp32, synchronous_mma_fraction=f))[node.name][0] for f in (1.0, 0.5))
+    assert half > 1.5 * full
 
 
 def _captured(model, *inputs):
@@ -275,6 +328,7 @@ def _valid_cluster() -> dict:
     (lambda c: c["device"].update(step_overhead=-1e-3), r"step_overhead \(s\) must be a finite number >= 0, got -0.001"),
     (lambda c: c.update(caveat=3), r"caveat must be a string, got 3"),
     (lambda c: c["device"].update(special_function_rate=-1.0), r"special_function_rate \(1/s\) must be a finite number >= 0"),
+    (lambda c: c["device"].update(synchronous_mma_fraction=1.5), r"synchronous_mma_fraction must be in \(0, 1\], got 1.5"),
     (lambda c: c["device"].update(element_time={"tanh": 4e-9}), r"element_time\['tanh'\] must be \[forward seconds, "
                                                                  r"backward seconds\] per element, got 4e-09"),
     (lambda c: c["device"].update(element_time={"tanh": [4e-9, -1]}), r"element_time\['tanh'\]\[1\] \(s\) must be"),
@@ -348,7 +402,10 @@ def test_one_rank_profile_takes_node_and_links_from_a_cluster(capsys):
            "op_latency": 3e-6, "elements": [], "collectives": []}
     h200 = get_cluster("h200")
     cluster = profile_from_raw(raw, name="h200-one", source="test", device_name="NVIDIA H200", memory=141e9,
-                               known_peaks=dict(h200.device.peak_flops), links=h200)
+                               known_peaks=dict(h200.device.peak_flops), links=h200,
+                               synchronous_mma_fraction=h200.device.synchronous_mma_fraction)
+    assert cluster.device.synchronous_mma_fraction == h200.device.synchronous_mma_fraction < 1.0
+    assert Cluster.from_json(cluster.to_json()) == cluster  # the profile file keeps it
     assert cluster.devices_per_node == 8 and cluster.nodes is None
     assert (cluster.intra_node, cluster.inter_node) == (h200.intra_node, h200.inter_node)
     assert cluster.device.gemm_efficiency == pytest.approx(700e12 / 989e12)

@@ -296,8 +296,14 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
     over = [r.estimate.peak_memory_bytes / r.estimate.memory_capacity_bytes for r in results
             if not r.estimate.fits_in_memory]
     assert len(over) <= 0.05 * len(results) and max(over, default=1.0) < 1.05  # they all ran
-    h100_fast = fsdp.summary(results, "h100_80gb")[2]
-    assert f"{h100_fast:.0f}% fast on average" in get_cluster("dgx-h100").caveat  # the preset's warning, current
+    short, long, h100_fast = fsdp.summary(results, "h100_80gb")
+    caveat = get_cluster("dgx-h100").caveat  # the preset's warning, current
+    assert f"{h100_fast:.0f}% fast on average" in caveat and f"(MAPE {short:.1f}%)" in caveat
+    # The H100's scaled GEMM fraction and synchronous-MMA fraction (no fit to
+    # these runs) keep it within 20% on average at every length.
+    assert short <= 20.0 and long <= 20.0
+    llama = [r.error for r in _validation_module().predict_other() if r.run.name.startswith("Llama")]
+    assert " and ".join(f"{100 * e:+.0f}%".replace("+", "") for e in llama) in caveat
     text = "\n".join(fsdp.fsdp_section(results) + fsdp.discussion(results))
     assert "h100_80gb (52 runs" in text and "faster on 8 H100s than on 8 A100s" in text
 
@@ -305,7 +311,9 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
 def test_other_published_runs_are_the_published_models_and_stay_close():
     """The out-of-sample runs of docs/validation.md (BLOOM, Llama 3, MT-NLG)
     are the published models (their parameter counts) on valid plans; the
-    ones on Megatron-like runtimes stay within 15%, and MT-NLG, whose
+    ones on Megatron-like runtimes stay within the acceptance's 20% per row
+    (Llama 3 on 16,384 H100s is the farthest, at about -18% with the assumed
+    interleaving depth v = 2; v = 4 gives -4%), and MT-NLG, whose
     DeepSpeed pipeline the model does not price, is predicted faster than it
     ran (the documented gap), never slower."""
     validation = _validation_module()
@@ -316,7 +324,7 @@ def test_other_published_runs_are_the_published_models_and_stay_close():
         if r.run.name.startswith("MT-NLG"):
             assert 0 < r.error < 0.30, r.run.name
         else:
-            assert abs(r.error) <= 0.15, (r.run.name, r.error)
+            assert abs(r.error) <= 0.20, (r.run.name, r.error)
 
 
 # --- plan validation ----------------------------------------------------------------------
@@ -360,6 +368,24 @@ def test_first_generation_flash_attention_takes_twice_flash_attention_2s_time():
     assert gap == pytest.approx(model.layers * (t2.forward + t2.backward))  # one microbatch per GPU
     with pytest.raises(EstimateError, match=r"context parallelism needs --attention flash .*--attention flash1"):
         estimate(model, dataclasses.replace(fa1, cp=2, dp=4), A100)
+
+
+def test_flash_attention_3_is_faster_on_hopper_and_costs_the_same_memory():
+    """`--attention flash3` prices FlashAttention-3: on an H100 at the full
+    GEMM rate (FlashAttention-2 pays the synchronous-MMA fraction) with its
+    exponentials overlapped; on an A100 only the overlap differs. Memory is
+    the same fused kernel's."""
+    model = TransformerConfig(layers=2, hidden=2048, heads=16, seq=8192, vocab=51200)
+    fa2 = TrainingPlan(batch=8, microbatch=1, tp=1, pp=1, dp=8)
+    fa3 = dataclasses.replace(fa2, attention="flash3")
+    h100 = get_cluster("dgx-h100")
+    for cluster in (A100, h100):
+        t2, t3 = (kernel_times(attention_kernels(model, p), p, cluster, True) for p in (fa2, fa3))
+        assert t3.forward < t2.forward and t3.backward < t2.backward
+        assert layer_activation_bytes(model, fa3) == layer_activation_bytes(model, fa2)
+    a2, a3 = (kernel_times(attention_kernels(model, p), p, A100, True) for p in (fa2, fa3))
+    h2, h3 = (kernel_times(attention_kernels(model, p), p, h100, True) for p in (fa2, fa3))
+    assert h2.forward / h3.forward > a2.forward / a3.forward  # Hopper gains the MMA rate too
 
 
 def test_flash_attention_pays_one_exponential_per_score_forward_and_backward():
@@ -463,7 +489,7 @@ def test_estimate_json_keys(capsys):
     assert estimate_main(args + ["--json"]) == 0
     captured = capsys.readouterr()
     caveat = json.loads(captured.out)["caveat"]
-    assert caveat.startswith("its GEMM and memory efficiencies are the A100's") and caveat in captured.err
+    assert caveat.startswith("its GEMM efficiency is the A100's fit scaled") and caveat in captured.err
 
 
 def test_estimate_table_and_llama_flags(capsys):
