@@ -42,7 +42,7 @@ def test_mlp_large_batch_small_hidden_is_data_parallel():
     assert synced == set(plan.parameters)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def megatron_plan():
     from gpt import GPT, GPTConfig, lm_loss
     cfg = GPTConfig(vocab=1024, seq=128, hidden=4096, heads=32, layers=2)
@@ -367,7 +367,7 @@ def test_exposed_sync_is_priced_with_the_bounds_the_plan_needs(monkeypatch):
     lazy = compile_()
     monkeypatch.undo()
 
-    def every_bound(self, result, params, left_s):
+    def every_bound(self, result, params, left_s, relative_gap):
         model, window = self.model, self.window
         self.first_exposed_s = window.exposed(lambda v: v.solution_value()) / solver.US
         if self.first_exposed_s <= 1e-15:
@@ -393,6 +393,21 @@ def test_exposed_sync_is_priced_with_the_bounds_the_plan_needs(monkeypatch):
     assert lazy.solver["objective"] == pytest.approx(lazy.predicted["step_time_s"])
     # the clustered solve's plan is exposed at three points in turn
     assert max(map(len, used.values())) >= 3 and all(len(u) < min(points) for u in used.values()), (used, points)
+
+
+def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkeypatch):
+    """The first solve (sync free) bounds the full model from below: when its
+    plan, priced with the sync it leaves exposed, is within the relative gap
+    asked for, the solver adds no bound and solves no more, and the plan's
+    objective counts the exposure."""
+    from autopar.timeline import SyncWindow
+    model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
+    bounds, bound = [], SyncWindow.bound
+    monkeypatch.setattr(SyncWindow, "bound", lambda self, where: bounds.append(where) or bound(self, where))
+    plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, relative_gap=0.5)
+    assert plan.solver["window_exposed_s"] > 0 and bounds == []
+    assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"])
+    assert plan.solver["gap"] <= 0.5
 
 
 def test_plan_prices_the_sync_that_cannot_hide():
