@@ -10,6 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (pyproject's addopts): tests marked ``launch`` share
+    one group, so one worker runs them one at a time (two 4-rank launches at
+    once on 2 cores can starve a rank until gloo drops it); every other test
+    is grouped by its module, so a module's fixtures are built once."""
+    for item in items:
+        group = "launch" if item.get_closest_marker("launch") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

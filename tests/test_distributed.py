@@ -10,6 +10,8 @@ import torch
 
 from conftest import ROOT, first_error, free_port, torchrun, verify
 
+pytestmark = pytest.mark.launch
+
 TOL = 1e-5
 
 

@@ -62,7 +62,7 @@ def test_bad_spec(text):
         parse_spec(text, 1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def plan():
     from mlp import make
     model, inputs, loss = make(batch=8, hidden=64)

@@ -315,6 +315,7 @@ def _check(tmp_path, nproc, mesh, sources, schedules, recompute="none"):
     return reports
 
 
+@pytest.mark.launch
 def test_two_stages_on_two_ranks(tmp_path):
     reports = _check(tmp_path, 2, "pp=2", ["examples/gpt.py:small", "tests/fixtures/skipnet.py:small"],
                      "1f1b,gpipe,interleaved-1f1b")
@@ -329,6 +330,7 @@ def test_two_stages_on_two_ranks(tmp_path):
     assert all(r["plan"]["virtual_stages"] > 1 for r in interleaved)
 
 
+@pytest.mark.launch
 def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
     """Also with every block recomputed in backward (checkpointed inside its stage)."""
     r, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:small"], "1f1b", "none,full")
@@ -345,6 +347,7 @@ def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
     assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3] and not set(by_rank[0]) & set(by_rank[2])
 
 
+@pytest.mark.launch
 def test_gradient_accumulation_without_a_pipeline_on_four_ranks(tmp_path):
     """pp=1: the one stage runs 4 microbatches on a 2x2 submesh, accumulates
     gradients, reduces them once per step and shards the optimizer states
@@ -365,6 +368,7 @@ def test_microbatches_without_stages_accumulate_gradients():
     assert searched.pipeline["microbatches"] == 4
 
 
+@pytest.mark.launch
 def test_pipeline_times_data_times_tensor_parallel_on_eight_ranks(tmp_path):
     """pp=2 x dp=2 x tp=2: each stage runs the intra-stage plan on a 2x2
     submesh; what crosses the cut is sent as shards, each rank to its peer."""

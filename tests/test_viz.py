@@ -47,12 +47,12 @@ def _compile(factory: str, mesh, **kw) -> Plan:
     return autopar.compile(model, inputs, mesh=mesh, cluster="dgx-a100", loss_fn=loss_fn, source=source, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def gpt_plan() -> Plan:
     return _compile("gpt.py:demo", (2, 2))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def mlp_plans() -> tuple:
     return _compile("mlp.py:small", 4), _compile("mlp.py:small", (2, 2))
 
@@ -259,7 +259,7 @@ class Page:
         return png
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def browser():
     if CHROMIUM is None:
         pytest.skip("headless browser test needs Chromium: apt-get install -y chromium (CI installs it)")
