@@ -30,7 +30,8 @@ def _compile(args) -> int:
         if plan.fallbacks:
             print(f"{len(plan.fallbacks)} op(s) fell back to replication:")
             for f in plan.fallbacks:
-                print(f"  {f['op']:40s} node {f['node']:24s} at {f['location']}")
+                why = f"  ({f['reason']})" if f.get("reason") else ""
+                print(f"  {f['op']:40s} node {f['node']:24s} at {f['location']}{why}")
         else:
             print("coverage: every op has a sharding rule (no replication fallback)")
     if not args.quiet:

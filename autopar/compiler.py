@@ -114,9 +114,8 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     with phases("plan"):
         chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
         plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, rc)
-    plan.fallbacks = [vars(f) for f in fallbacks]
-    plan.warnings = notes + [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
-                             for f in fallbacks]
+    plan.fallbacks = [f.to_json() for f in fallbacks]
+    plan.warnings = notes + [f.describe() for f in fallbacks]
     plan.recompute = {"mode": rc.mode, "layers": rc.paths,
                       **({"regions": [list(r) for r in rc.regions]} if rc.mode == "selective" else {}),
                       "candidates": solution.extra.pop("recompute_candidates")}

@@ -19,6 +19,7 @@ from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
 from autopar.passes.rules import get_rule
+from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
@@ -55,6 +56,10 @@ def op_flops(node: Node) -> float:
     numel = math.prod(out.shape) if out.shape else 1
     rule = get_rule(node.target)
     if rule is not None and rule.matmul:
+        if node.target in RECURRENT:
+            # every weight matrix (2-D; biases are 1-D) meets every token once
+            tokens = math.prod(info.inputs[0].shape[:-1])
+            return 2.0 * tokens * sum(math.prod(w.shape) for w in info.inputs[1:] if len(w.shape) == 2)
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             # QK^T and PV: 2 * (2 * B H Sq Sk D)
             return 4.0 * _attention_scores(info) * info.inputs[0].shape[-1]

@@ -6,7 +6,7 @@ import operator
 from dataclasses import dataclass
 
 from autopar.capture import Graph, Node, NodeKind
-from autopar.passes.rules import get_rule
+from autopar.passes.rules import ReplicatedOnly, get_rule
 from torch.distributed.tensor import Shard
 
 from autopar.passes.strategy import R, Row, S, Strategy, expand_to_mesh
@@ -16,11 +16,22 @@ log = logging.getLogger("autopar")
 
 @dataclass(frozen=True)
 class Fallback:
-    """An op without a sharding rule: it runs replicated."""
+    """An op that runs replicated: it has no sharding rule, or its rule has
+    no exact split for the arguments it is called with (``reason``)."""
 
     node: str
     op: str
     location: str
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        """As plan.json lists it (``reason`` only where there is one)."""
+        return {k: v for k, v in vars(self).items() if k != "reason" or v}
+
+    def describe(self) -> str:
+        if self.reason:
+            return f"{self.op} at {self.location} (node {self.node}) runs replicated: {self.reason}"
+        return f"no sharding rule for {self.op} at {self.location} (node {self.node}); runs replicated"
 
 
 def tensor_rows(node: Node) -> list[Row]:
@@ -37,8 +48,12 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple, warn: bool = True) -> 
     for node in graph.nodes.values():
         strategies[node.name] = _node_strategies(node, graph, mesh_shape, strategies, fallbacks)
     for f in fallbacks if warn else ():
-        log.warning("autopar: no sharding rule for %s (node %s, in %s); it runs replicated on every device",
-                    f.op, f.node, f.location)
+        if f.reason:
+            log.warning("autopar: %s (node %s, in %s) runs replicated on every device: %s",
+                        f.op, f.node, f.location, f.reason)
+        else:
+            log.warning("autopar: no sharding rule for %s (node %s, in %s); it runs replicated on every device",
+                        f.op, f.node, f.location)
     return strategies, fallbacks
 
 
@@ -66,6 +81,10 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
     if rule is None:
         fallbacks.append(Fallback(node.name, node.op_name, node.fqn or "the top level"))
         return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
-    rows = rule.fn(node.info)
+    try:
+        rows = rule.fn(node.info)
+    except ReplicatedOnly as e:
+        fallbacks.append(Fallback(node.name, node.op_name, node.fqn or "the top level", str(e)))
+        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
     out = expand_to_mesh(rows, mesh_shape, [m.shape for m in node.info.inputs], [m.shape for m in node.outputs])
     return out

@@ -166,6 +166,19 @@ def test_fused_attention_waits_on_its_exponentials():
     assert op_time(1e12, 1e6, none, "bf16", matmul=True, special=1e10) == pytest.approx(plain)
 
 
+def test_a_recurrent_layer_applies_every_weight_matrix_to_every_token():
+    """FLOPs of an LSTM, GRU or RNN op: 2 per weight element per token (the
+    biases, 1-D, are element-wise)."""
+    from autopar.cost_models.graph_costs import op_flops
+    from autopar.runtime import load_factory
+    model, inputs, loss = load_factory("tests/fixtures/recurrent.py:tagger")
+    graph = _captured_with(model, inputs, loss)
+    tokens = inputs[0].numel()
+    for op, layer in (("lstm", model.lstm), ("gru", model.gru), ("rnn_tanh", model.rnn)):
+        weights = sum(p.numel() for name, p in layer.named_parameters() if name.startswith("weight"))
+        assert op_flops(graph.nodes[op]) == 2 * tokens * weights
+
+
 def test_compiled_attention_counts_one_exponential_per_score():
     """A compiled plan prices scaled_dot_product_attention with the same
     op_time term as the estimate's FlashAttention: B H Sq Sk exponentials."""
@@ -189,6 +202,11 @@ def test_compiled_attention_counts_one_exponential_per_score():
     fp32 = _with_device(A100, special_function_rate=1e30, gemm_latency=0.0, op_latency=0.0)
     full, half = (_compute(big, _with_device(fp32, synchronous_mma_fraction=f))[node.name][0] for f in (1.0, 0.5))
     assert half > 1.5 * full
+
+
+def _captured_with(model, inputs, loss_fn):
+    from autopar.capture import capture
+    return capture(model, inputs, loss_fn=loss_fn)
 
 
 def _captured(model, *inputs):

@@ -1,4 +1,5 @@
 """The planner rediscovers the known optima, prices memory, and explains bad input."""
+import os
 import pytest
 import torch
 from torch import nn
@@ -203,6 +204,36 @@ def test_op_without_rule_is_replicated_with_a_warning(caplog):
     assert "no sharding rule for special_i1" in caplog.text and "(node special_i1, in the top level)" in caplog.text
     assert plan.fallbacks == [{"node": "special_i1", "op": "special_i1", "location": "the top level"}]
     assert plan.node("special_i1").strategy == "(R) -> R"
+
+
+def test_recurrent_layers_split_the_batch_or_say_why_they_cannot(caplog, capsys, tmp_path, monkeypatch):
+    """Time-major LSTM, GRU and RNN layers split the batch (dim 1 of input,
+    output and states), their weights replicated; batch-first ones cannot
+    (the output's batch is dim 0, the states' dim 1): they run replicated,
+    and the warning, the plan and `--coverage` say why."""
+    from autopar.runtime import load_factory
+    ops = ("lstm", "gru", "rnn_tanh")
+    model, inputs, loss = load_factory("tests/fixtures/recurrent.py:tagger")
+    fast = os.path.join(ROOT, "tests", "fixtures", "fastnet.json")  # a model this small pays to split only there
+    plan = autopar.compile(model, inputs, mesh=4, cluster=fast, loss_fn=loss)
+    assert plan.fallbacks == []
+    for op in ops:
+        assert plan.node(op).strategy.startswith("(S(1), S(1)") and plan.node(op).strategy.endswith("-> S(1)")
+    model, inputs, loss = load_factory("tests/fixtures/recurrent.py:batch_first")
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = autopar.compile(model, inputs, mesh=4, cluster=fast, loss_fn=loss)
+    assert [f["node"] for f in plan.fallbacks] == list(ops)
+    assert all("batch_first=True" in f["reason"] for f in plan.fallbacks)
+    assert "lstm.input (node lstm, in lstm) runs replicated on every device: with batch_first=True" in caplog.text
+    assert any(w.startswith("gru.input at gru (node gru) runs replicated: with batch_first=True") for w in plan.warnings)
+    assert all(plan.node(op).strategy.endswith("-> R") for op in ops)
+    from autopar.cli import main
+    monkeypatch.chdir(ROOT)
+    main(["compile", "tests/fixtures/recurrent.py:batch_first", "--mesh", "4", "--cluster", fast,
+          "-o", str(tmp_path / "plan.json"), "--coverage", "-q"])
+    printed = capsys.readouterr().out
+    assert "3 op(s) fell back to replication:" in printed
+    assert "lstm.input" in printed and "(with batch_first=True its output has the batch on dim 0" in printed
 
 
 def test_dimension_no_axis_divides_is_warned():

@@ -144,9 +144,8 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
     plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster), model_info, parameters, inputs, nodes,
                 _collectives(cand, ctx, stage_of, mesh, cluster), _predicted(cand, cluster, mesh),
                 solver_info, _pipeline_section(cand, stage_entries))
-    plan.fallbacks = [vars(f) for f in prof.fallbacks]
-    plan.warnings = [f"no sharding rule for {f.op} at {f.location} (node {f.node}); runs replicated"
-                     for f in prof.fallbacks]
+    plan.fallbacks = [f.to_json() for f in prof.fallbacks]
+    plan.warnings = [f.describe() for f in prof.fallbacks]
     plan.recompute = _recompute_section(cand)
     return plan
 

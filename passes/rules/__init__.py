@@ -74,6 +74,12 @@ class Rule:
     """Costed as a GEMM (FLOPs at GEMM efficiency) rather than a memory-bound op."""
 
 
+class ReplicatedOnly(AutoparError):
+    """Raised by a rule when no split of its op is exact for the arguments
+    given (the message says why): the op runs replicated, and the compiler
+    warns with that reason as it does for an op without a rule."""
+
+
 _RULES: dict = {}
 
 
@@ -96,7 +102,8 @@ def registered_ops() -> list:
 
 
 def _load():
-    from autopar.passes.rules import along, conv, extra, matmul, misc, norm, pointwise, reduction, view  # noqa: F401
+    from autopar.passes.rules import (along, conv, extra, matmul, misc, norm, pointwise, recurrent,  # noqa: F401
+                                      reduction, view)
 
 
 _load()
