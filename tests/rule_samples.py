@@ -236,6 +236,17 @@ SAMPLES = [
     call(aten.hardtanh.default, X, 0.0, 6.0),
     call(aten.huber_loss.default, X, Y, 1, 0.5),
     call(aten.hypot.default, X, Y),
+    # small contractions, pixel (un)shuffle, unfold, diagonal, scatter of a value
+    call(aten.dot.default, x(8), x(8, seed=1)),
+    call(aten.mv.default, x(8, 12), x(12, seed=1)),
+    call(aten.outer.default, x(8), x(12, seed=1)),
+    call(aten.pixel_shuffle.default, x(4, 16, 4, 8), 2),
+    call(aten.pixel_unshuffle.default, x(4, 4, 8, 16), 2),
+    call(aten.im2col.default, x(4, 4, 6, 8), [2, 2], [1, 1], [0, 0], [2, 2]),
+    call(aten.im2col.default, x(4, 6, 8), [3, 2], [1, 1], [1, 0], [1, 2], name="unbatched"),
+    call(aten.diagonal.default, x(4, 8, 8)),
+    call(aten.diagonal.default, x(4, 8, 12), 1, -2, -1, name="last_two"),
+    call(aten.scatter.value, X, 1, idx(4, 3, 12, high=8), 2.0),
     # recurrent layers: time-major input (5 steps, batch 4, 6 features), hidden 3
     call(aten.lstm.input, x(5, 4, 6), [x(1, 4, 3, seed=1), x(1, 4, 3, seed=2)],
          [x(12, 6, seed=3), x(12, 3, seed=4), x(12, seed=5), x(12, seed=6)], True, 1, 0.0, True, False, False),

@@ -208,14 +208,16 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     scatter_add, topk, variance, logsumexp, norms, padding, flip, roll,
     cumprod, activations; and a U-Net step (batch norm with running
     statistics, pooling, transposed convolution, upsampling, BCE on logits);
+    an upscaler (pixel shuffle and unshuffle, unfold, diagonal, dot, mv,
+    outer, scatter of a value);
     tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major (batch
     split) and batch-first (replicated): the solved plan and a random plan
     each, on a 2x2 mesh, train like one device (one launch;
     tests/test_rules.py checks every row of their rules)."""
-    sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter",
+    sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter", "tests/fixtures/opzoo.py:upscaler",
                "tests/fixtures/recurrent.py:tagger", "tests/fixtures/recurrent.py:batch_first"]
     reports = verify(sources, "2x2", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 8
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 10
     assert_agrees(reports)
 
 

@@ -162,6 +162,31 @@ def pool_rule(info: OpInfo):
     return rows
 
 
+@register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)
+def pixel_shuffle_rule(info: OpInfo):
+    """(*, C r^2, H, W) <-> (*, C, H r, W r): each output channel gathers r^2
+    consecutive input channels, each input row and column r consecutive
+    output ones, so a contiguous block of any dim maps to a contiguous block
+    of the same dim; the divisibility check on both shapes keeps a block of
+    channels whole (C divides by the axis)."""
+    x = info.inputs[0]
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1 and info.out.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
+@register(aten.im2col.default)
+def im2col_rule(info: OpInfo):
+    """F.unfold, (N, C, H, W) -> (N, C kh kw, L): sliding windows within each
+    image and channel; output channel c kh kw + k comes from input channel c,
+    so the batch and channel blocks split alike."""
+    x = info.inputs[0]
+    channel = x.ndim - 3
+    rows = [Row(S(d), (S(d),)) for d in range(channel + 1) if x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
 # --- einsum ----------------------------------------------------------------
 
 
@@ -269,11 +294,11 @@ def gather_rule(info: OpInfo):
     return _aligned_rows(info, info.arg(1, "dim") % x.ndim, 2)
 
 
-@register(aten.scatter.src, aten.scatter_add.default)
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
 def scatter_rule(info: OpInfo):
-    """scatter(self, dim, index, src): the scattered dim stays whole."""
+    """scatter(self, dim, index, src or value): the scattered dim stays whole."""
     x = info.inputs[0]
-    return _aligned_rows(info, info.arg(1, "dim") % x.ndim, 3)
+    return _aligned_rows(info, info.arg(1, "dim") % x.ndim, len(info.inputs))
 
 
 @register(aten.index_select.default)

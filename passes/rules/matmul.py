@@ -75,6 +75,22 @@ def baddbmm_rule(info: OpInfo):
     return [Row(r.output, (r.inputs[-1], *r.inputs[:-1])) for r in rows]
 
 
+@register(aten.dot.default, matmul=True)
+def dot_rule(info: OpInfo):
+    return einsum_rows("K,K->", info)
+
+
+@register(aten.mv.default, matmul=True)
+def mv_rule(info: OpInfo):
+    return einsum_rows("MK,K->M", info)
+
+
+@register(aten.outer.default)
+def outer_rule(info: OpInfo):
+    """One product per output element (no contraction): priced as element-wise."""
+    return einsum_rows("M,N->MN", info)
+
+
 @register(aten.linear.default, matmul=True)
 def linear_rule(info: OpInfo):
     x = info.inputs[0]

@@ -109,6 +109,18 @@ def select_rule(info: OpInfo):
     return other_dims_rows(info, info.arg(1, "dim", 0) % nd, 1, drop=True)
 
 
+@register(aten.diagonal.default)
+def diagonal_rule(info: OpInfo):
+    """diagonal(self, offset, dim1, dim2): the other dims keep their order
+    ahead of the diagonal's; any of them splits."""
+    x = info.inputs[0]
+    pair = {info.arg(2, "dim1", 0) % x.ndim, info.arg(3, "dim2", 1) % x.ndim}
+    others = [d for d in range(x.ndim) if d not in pair]
+    rows = [Row(S(k), (S(d),)) for k, d in enumerate(others) if x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
 @register(aten.cat.default)
 def cat_rule(info: OpInfo):
     nd = info.out.ndim
