@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import re
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -148,6 +150,18 @@ def _module_path(node: fx.Node) -> str:
 ASSERTIONS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
+_ASSIGNED = re.compile(r"The tensor attributes (.*) were assigned during export")
+
+
+def _rnn_weight_cache_only(message: str) -> bool:
+    """torch.export's warning that attributes were assigned while tracing,
+    when they are all nn.LSTM/GRU/RNN's ``_flat_weights``: the layer
+    re-points that list at its own parameters on every forward (and does so
+    again after tracing), so there is nothing for the user to fix."""
+    m = _ASSIGNED.search(message)
+    return bool(m) and all(re.search(r"\._flat_weights\[\d+\]$", a.strip()) for a in m.group(1).split(","))
+
+
 def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``)."""
     if not isinstance(model, nn.Module):
@@ -160,9 +174,14 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
         )
     wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _NoLoss(model)
     try:
-        ep = torch.export.export(wrapper, example_inputs, strict=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ep = torch.export.export(wrapper, example_inputs, strict=False)
     except Exception as e:  # torch raises many types; keep the cause
         raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
+    for w in caught:
+        if not _rnn_weight_cache_only(str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     graph = _to_graph(ep, len(example_inputs), loss_fn is not None)
     graph.tied = _tied(wrapper, graph)
     graph.training = model.training
