@@ -244,6 +244,8 @@ SAMPLES = [
     call(aten.pixel_unshuffle.default, x(4, 4, 8, 16), 2),
     call(aten.im2col.default, x(4, 4, 6, 8), [2, 2], [1, 1], [0, 0], [2, 2]),
     call(aten.im2col.default, x(4, 6, 8), [3, 2], [1, 1], [1, 0], [1, 2], name="unbatched"),
+    call(aten.col2im.default, x(4, 16, 12), [6, 8], [2, 2], [1, 1], [0, 0], [2, 2]),
+    call(aten.col2im.default, x(4, 18, 20), [5, 8], [3, 2], [1, 1], [1, 0], [1, 2], name="overlapping"),
     call(aten.diagonal.default, x(4, 8, 8)),
     call(aten.diagonal.default, x(4, 8, 12), 1, -2, -1, name="last_two"),
     call(aten.scatter.value, X, 1, idx(4, 3, 12, high=8), 2.0),

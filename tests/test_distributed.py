@@ -213,7 +213,7 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     scatter_add, topk, variance, logsumexp, norms, padding, flip, roll,
     cumprod, activations; and a U-Net step (batch norm with running
     statistics, pooling, transposed convolution, upsampling, BCE on logits);
-    an upscaler (pixel shuffle and unshuffle, unfold, diagonal, dot, mv,
+    an upscaler (pixel shuffle and unshuffle, unfold and fold, diagonal, dot, mv,
     outer, scatter of a value);
     tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major (batch
     split) and batch-first (replicated): the solved plan and a random plan

@@ -187,6 +187,19 @@ def im2col_rule(info: OpInfo):
     return rows
 
 
+@register(aten.col2im.default)
+def col2im_rule(info: OpInfo):
+    """F.fold, (N, C kh kw, L) -> (N, C, H, W): sums overlapping windows
+    within each image and channel, the inverse layout of im2col, so the
+    batch and channel blocks split alike (the divisibility check on the
+    output keeps each channel's kh kw rows together)."""
+    x = info.inputs[0]
+    channel = x.ndim - 2
+    rows = [Row(S(d), (S(d),)) for d in range(channel + 1) if x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
+    return rows
+
+
 # --- einsum ----------------------------------------------------------------
 
 
