@@ -75,16 +75,16 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
         specs = dict.fromkeys(s.output for s in done[node.inputs[0]])
         return [Strategy((spec,), spec) for spec in specs]
     rule = get_rule(node.target)
-    n_in = len(node.inputs)
+    replicated = [Strategy(((R,) * len(mesh_shape),) * len(node.inputs), (R,) * len(mesh_shape))]
     if node.state_update:  # runs on the buffer where it lives: replicated, the same update on every rank
-        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
+        return replicated
     if rule is None:
         fallbacks.append(Fallback(node.name, node.op_name, node.fqn or "the top level"))
-        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
+        return replicated
     try:
         rows = rule.fn(node.info)
     except ReplicatedOnly as e:
         fallbacks.append(Fallback(node.name, node.op_name, node.fqn or "the top level", str(e)))
-        return [Strategy(((R,) * len(mesh_shape),) * n_in, (R,) * len(mesh_shape))]
+        return replicated
     out = expand_to_mesh(rows, mesh_shape, [m.shape for m in node.info.inputs], [m.shape for m in node.outputs])
     return out

@@ -16,6 +16,7 @@ from autopar.errors import AutoparError
 from autopar.passes.rules import OpInfo, register
 from autopar.passes.rules.matmul import einsum_rows
 from autopar.passes.rules.pointwise import broadcast_rows
+from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import P, R, Row, S
 
 
@@ -180,11 +181,8 @@ def im2col_rule(info: OpInfo):
     """F.unfold, (N, C, H, W) -> (N, C kh kw, L): sliding windows within each
     image and channel; output channel c kh kw + k comes from input channel c,
     so the batch and channel blocks split alike."""
-    x = info.inputs[0]
-    channel = x.ndim - 3
-    rows = [Row(S(d), (S(d),)) for d in range(channel + 1) if x.shape[d] > 1]
-    rows.append(Row(R, (R,)))
-    return rows
+    nd = info.inputs[0].ndim
+    return other_dims_rows(info, [nd - 2, nd - 1])
 
 
 @register(aten.col2im.default)
@@ -193,11 +191,7 @@ def col2im_rule(info: OpInfo):
     within each image and channel, the inverse layout of im2col, so the
     batch and channel blocks split alike (the divisibility check on the
     output keeps each channel's kh kw rows together)."""
-    x = info.inputs[0]
-    channel = x.ndim - 2
-    rows = [Row(S(d), (S(d),)) for d in range(channel + 1) if x.shape[d] > 1]
-    rows.append(Row(R, (R,)))
-    return rows
+    return other_dims_rows(info, [info.inputs[0].ndim - 1])
 
 
 # --- einsum ----------------------------------------------------------------
