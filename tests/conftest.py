@@ -1,8 +1,10 @@
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -10,14 +12,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (pyproject's addopts): tests marked ``launch`` share
-    one group, so one worker runs them one at a time (two 4-rank launches at
-    once on 2 cores can starve a rank until gloo drops it); every other test
-    is grouped by its module, so a module's fixtures are built once."""
-    for item in items:
-        group = "launch" if item.get_closest_marker("launch") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+LAUNCH_LOCK = os.path.join(tempfile.gettempdir(), "autopar-tests-launch.lock")
+
+
+@pytest.fixture(autouse=True)
+def one_launch_at_a_time(request):
+    """Tests marked ``launch`` start gloo ranks; each holds a lock file while
+    it runs, so the pytest-xdist workers (pyproject's addopts: each test file
+    on one worker) never run two launches at once: two 4-rank launches on 2
+    cores can starve a rank until gloo drops it."""
+    if request.node.get_closest_marker("launch") is None:
+        yield
+        return
+    with open(LAUNCH_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        yield
 
 
 def free_port() -> int:
