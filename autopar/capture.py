@@ -49,6 +49,8 @@ class Node:
     """Position among the user inputs, for INPUT nodes."""
     state_update: bool = False
     """An in-place op on a buffer (``updates_state``)."""
+    item: int = -1
+    """For a ``getitem``: which output of its producer it takes."""
 
     @property
     def op_name(self) -> str:
@@ -405,7 +407,7 @@ def _op_node(n: fx.Node, nodes: dict) -> Node:
     val = n.meta.get("val")
     if n.target is operator.getitem:
         src = n.args[0].name
-        return Node(n.name, NodeKind.OP, operator.getitem, _module_path(n), [src], [_meta(val)])
+        return Node(n.name, NodeKind.OP, operator.getitem, _module_path(n), [src], [_meta(val)], item=n.args[1])
     inputs, metas = [], []
 
     def lift(a):

@@ -19,8 +19,8 @@ import torch.fx as fx
 from autopar import spmd
 from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
-from autopar.passes.rules.misc import FACTORIES
-from autopar.passes.strategy import fmt_spec, local_shape, parse_spec
+from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
+from autopar.passes.strategy import Strategy, local_shape, parse_spec
 from autopar.plan import Plan
 
 HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
@@ -58,9 +58,9 @@ def check_plan_matches(graph: Graph, plan: Plan) -> None:
         node = graph.nodes.get(spec.name)
         if node is None or node.kind not in (NodeKind.OP, NodeKind.PARAM):
             continue
-        allowed = {(tuple(fmt_spec(i) for i in s.inputs), fmt_spec(s.output)) for s in strategies[spec.name]}
-        if (tuple(spec.input_specs), spec.output_spec) not in allowed:
-            valid = sorted(f"({', '.join(i)}) -> {o}" for i, o in allowed)
+        allowed = {str(Strategy(s.inputs, s.output, items=s.items)) for s in strategies[spec.name]}
+        if spec.strategy not in allowed:
+            valid = sorted(allowed)
             raise PlanError(
                 f"plan node {spec.name} ({node.op_name} at {node.fqn or 'the top level'}) has strategy "
                 f"{spec.strategy}, which its sharding rule does not allow on mesh {plan.mesh}; valid: "
@@ -165,7 +165,7 @@ class _Emitter:
         if src.target is operator.getitem:
             item = g.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
             want = plan_node.input_specs[0]
-            if specs[src.args[0].name].output_spec != want:  # the producer's outputs share its placement
+            if specs[src.args[0].name].item_spec(src.args[1]) != want:
                 item.name = f"{src.name}_item"
                 item = g.call_function(spmd.reshard, (item, want))
             item.name = src.name
@@ -178,9 +178,11 @@ class _Emitter:
 
         args = fx.node.map_arg(src.args, arg)
         kwargs = fx.node.map_arg(src.kwargs, arg)
-        spec = plan_node.output_spec
+        spec = tuple(plan_node.item_specs) or plan_node.output_spec
         if src.target in FACTORIES:
             new = g.call_function(spmd.factory, (src.target, *args), kwargs)
+        elif src.target in RANDOM_FACTORIES:
+            new = g.call_function(spmd.random_factory, (src.name, src.target, *args), kwargs)
         elif src.target in RESHAPES:
             mesh = self.plan.mesh
             shape = list(local_shape(node.out.shape, parse_spec(spec, mesh.ndim), mesh.shape))

@@ -19,7 +19,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
     needs_grad, node_compute,
-    optimizer_step_bytes, gather_transient, gathers, optimizer_time, replays, saves_input,
+    optimizer_step_bytes, gather_transient, gathers, optimizer_time, produced, replays, saves_input,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -388,10 +388,9 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             memory[k] += v
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
                               [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), f + b, mem,
-                              len(strategies[node.name])))
+                              len(strategies[node.name]), [fmt_spec(x) for x in s.items or ()]))
         for idx, src in enumerate(node.inputs):
-            src_spec, regather = chosen[src].output, chosen[src].regather
-            meta = graph.nodes[src].outputs[0]
+            (src_spec, meta), regather = produced(graph, src, node, chosen[src]), chosen[src].regather
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
             replayed = fwd

@@ -154,7 +154,9 @@ def _planned_strategy(plan_node, strategies: list, ndim: int) -> Strategy:
     for s in strategies:
         if str(s) == plan_node.strategy:
             return s
-    return Strategy(tuple(parse_spec(x, ndim) for x in plan_node.input_specs), parse_spec(plan_node.output_spec, ndim))
+    items = tuple(parse_spec(x, ndim) for x in plan_node.item_specs) or None
+    return Strategy(tuple(parse_spec(x, ndim) for x in plan_node.input_specs), parse_spec(plan_node.output_spec, ndim),
+                    items=items)
 
 
 def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = None) -> Explanation:
@@ -162,7 +164,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
         CostContext, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute, node_memory, optimizer_time,
-        replays, reshard_key, saves_input, shares_reshard,
+        produced, replays, reshard_key, saves_input, shares_reshard,
     )
     from autopar.cost_models.resharding import reads_in_place
     from autopar.passes.enumerate import enumerate_strategies
@@ -217,8 +219,9 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         mine: set = set()  # reshards of its inputs this candidate pays for
         for idx, src in enumerate(node.inputs):
-            producer, meta = planned_of(src), graph.nodes[src].outputs[0]
-            fwd, bwd = edge_moves(producer.output, s, idx, meta, ctx, name in grad and src in grad)
+            producer = planned_of(src)
+            have, meta = produced(graph, src, node, producer)
+            fwd, bwd = edge_moves(have, s, idx, meta, ctx, name in grad and src in grad)
             key = key_of(name, idx, s, src)
             others = wanted.get((src, key), []) if key is not None else []
             paid = not others and (src, key) not in mine
@@ -227,12 +230,12 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             transfers += _transfers(src, "in", name, fwd, bwd, mesh.names, [c for c, _ in others], paid)
             if not producer.regather:
                 # one tensor kept per reshard, or the producer's own for all that read it in place
-                keepers = others if not reads_in_place(producer.output, s.inputs[idx]) else [
+                keepers = others if not reads_in_place(have, s.inputs[idx]) else [
                     (c, j) for c, j in uses[src]
-                    if c != name and reads_in_place(producer.output, planned_of(c).inputs[j])]
-                keeps = edge_memory(producer.output, s.inputs[idx], meta, ctx, name in grad and saves_input(node),
+                    if c != name and reads_in_place(have, planned_of(c).inputs[j])]
+                keeps = edge_memory(have, s.inputs[idx], meta, ctx, name in grad and saves_input(node),
                                     src in read)
-                kept = max((edge_memory(producer.output, planned_of(c).inputs[j], meta, ctx,
+                kept = max((edge_memory(have, planned_of(c).inputs[j], meta, ctx,
                                         c in grad and saves_input(graph.nodes[c]), src in read)
                             for c, j in keepers), default=0.0)
                 held += max(0.0, keeps - kept)
@@ -246,7 +249,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             groups.setdefault((c, idx) if key is None else key, []).append((c, idx))
         for group in groups.values():
             c, idx = group[0]
-            fwd, bwd = edge_moves(s.output, planned_of(c), idx, node.outputs[0], ctx, c in grad and name in grad)
+            have, meta = produced(graph, name, graph.nodes[c], s)
+            fwd, bwd = edge_moves(have, planned_of(c), idx, meta, ctx, c in grad and name in grad)
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names, [o for o, _ in group[1:]], True)
             for o, _ in group:
                 if replays(s.regather, False, o in grad):  # ZeRO-3: gathered again in backward, per consumer

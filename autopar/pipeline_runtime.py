@@ -185,7 +185,8 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
             if src is None:
                 raise PlanError(f"the plan has no strategy for node {node.name}; recompile it for this model")
             nodes.append(NodePlan(node.name, src.op, src.location, list(src.inputs),
-                                  [inner(s) for s in src.input_specs], inner(src.output_spec)))
+                                  [inner(s) for s in src.input_specs], inner(src.output_spec),
+                                  item_specs=[inner(s) for s in src.item_specs]))
             if node.kind is NodeKind.INPUT:
                 inputs.append({"name": node.name, "shape": shapes[node.name]["microbatch_shape"]})
     model = {"fingerprint": sg.graph.fingerprint(), "local_outputs": sg.sends is not None}

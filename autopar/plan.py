@@ -31,15 +31,25 @@ class NodePlan:
     compute_s: float = 0.0
     memory_bytes: float = 0.0
     candidates: int = 1
+    item_specs: list = field(default_factory=list)
+    """A spec per output where an op's outputs are placed differently
+    (``Strategy.items``; ``output_spec`` is the first); empty otherwise."""
 
     @property
     def strategy(self) -> str:
-        return f"({', '.join(self.input_specs)}) -> {self.output_spec}"
+        out = f"({', '.join(self.item_specs)})" if self.item_specs else self.output_spec
+        return f"({', '.join(self.input_specs)}) -> {out}"
+
+    def item_spec(self, k: int) -> str:
+        """The spec of output ``k``."""
+        return self.item_specs[k] if self.item_specs else self.output_spec
 
     def to_json(self) -> dict:
+        items = {"item_specs": self.item_specs} if self.item_specs else {}
         return {"name": self.name, "op": self.op, "location": self.location, "inputs": self.inputs,
                 "strategy": self.strategy, "input_specs": self.input_specs, "output_spec": self.output_spec,
-                "compute_s": self.compute_s, "memory_bytes": self.memory_bytes, "candidates": self.candidates}
+                "compute_s": self.compute_s, "memory_bytes": self.memory_bytes, "candidates": self.candidates,
+                **items}
 
 
 @dataclass
@@ -123,11 +133,16 @@ class Plan:
             try:
                 node = NodePlan(n["name"], n["op"], n["location"], list(n["inputs"]), list(n["input_specs"]),
                                 n["output_spec"], float(n.get("compute_s", 0)), float(n.get("memory_bytes", 0)),
-                                int(n.get("candidates", 1)))
+                                int(n.get("candidates", 1)), list(n.get("item_specs", [])))
             except (KeyError, TypeError) as e:
                 raise PlanError(f"plan node #{i} is invalid: missing or wrong field {e}") from None
-            for spec in (*node.input_specs, node.output_spec):
+            _require(all(isinstance(x, str) for x in node.item_specs),
+                     f"plan node {node.name!r}: item_specs must be a list of specs like 'S(0)R'", n)
+            for spec in (*node.input_specs, node.output_spec, *node.item_specs):
                 parse_spec(spec, nd)
+            _require(not node.item_specs or node.item_specs[0] == node.output_spec,
+                     f"plan node {node.name!r} places its first output {node.item_specs[:1]} but its "
+                     f"output_spec is {node.output_spec!r}; they must agree", n)
             nodes.append(node)
         for fqn, p in obj["parameters"].items():
             _require(isinstance(p, dict) and "placements" in p and "shape" in p,

@@ -48,7 +48,7 @@ def layout(spec: str, mesh_shape) -> tuple:
 
 
 def _node_layout(node, mesh_shape) -> tuple:
-    return tuple(layout(s, mesh_shape) for s in (*node.input_specs, node.output_spec))
+    return tuple(layout(s, mesh_shape) for s in (*node.input_specs, node.output_spec, *node.item_specs))
 
 
 def _axis_label(plan: Plan, name: str) -> str:

@@ -30,7 +30,7 @@ from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown, needs_grad,
     step_temporaries,
     node_compute, node_memory, optimizer_time,
-    param_transient, replays, reshard_key, saves_input, seconds, shares_reshard,
+    param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
 from autopar.passes.recompute import NONE, Recomputation
@@ -297,11 +297,11 @@ class _ILP:
     def _edge(self, src, dst, idx, times, replayed, producers, keeping, instances, shared) -> None:
         graph, ctx, x, model = self.graph, self.ctx, self.x, self.model
         prod, cons = self.strategies[src], self.strategies[dst]
-        meta = graph.nodes[src].outputs[0]
+        meta = produced(graph, src, graph.nodes[dst], prod[0])[1]
         backward = dst in self.grad and src in self.grad
         out_groups: dict = {}
         for i, s in enumerate(prod):
-            out_groups.setdefault((s.output, s.regather), []).append(i)
+            out_groups.setdefault((produced(graph, src, graph.nodes[dst], s)[0], s.regather), []).append(i)
         in_groups: dict = {}
         for j, s in enumerate(cons):
             in_groups.setdefault(reshard_key(idx, s, len(ctx.mesh_shape), backward), []).append((j, s))

@@ -296,13 +296,13 @@ def _grad_placements(placements, splits) -> tuple:
     return tuple(out)
 
 
-def _unwrap(args, kwargs, out_spec: tuple):
+def _unwrap(args, kwargs, out_spec: tuple, items: tuple = ()):
     """Local tensors of the DTensor arguments, with their gradient placements."""
     dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
     for v in (*args, *kwargs.values()):
         if isinstance(v, (list, tuple)):
             dts.extend(a for a in v if isinstance(a, DTensor))
-    splits = [any(isinstance(p, Shard) for p in (*(d.placements[a] for d in dts), out_spec[a]))
+    splits = [any(isinstance(p, Shard) for p in (*(d.placements[a] for d in dts), out_spec[a], *(i[a] for i in items)))
               or isinstance(out_spec[a], Partial) for a in range(len(out_spec))]
 
     def un(a):
@@ -315,20 +315,23 @@ def _unwrap(args, kwargs, out_spec: tuple):
     return [un(a) for a in args], {k: un(v) for k, v in kwargs.items()}
 
 
-def _wrap(out, spec: tuple):
+def _wrap(out, spec: tuple, items: tuple = ()):
+    """The local result as DTensors placed ``spec``, or its k-th output ``items[k]``."""
     mesh = _mesh()
     if isinstance(out, torch.Tensor):
         return DTensor.from_local(out, mesh, spec, run_check=False)
     if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o, spec) for o in out)
+        return type(out)(_wrap(o, items[k] if items else spec) for k, o in enumerate(out))
     return out
 
 
-def op(node: str, fn, spec: str, *args, **kwargs):
-    """Run one op on the local shards; its output has the planned placements ``spec``."""
+def op(node: str, fn, spec: str | tuple, *args, **kwargs):
+    """Run one op on the local shards; its output has the planned placements
+    ``spec``, or output k ``spec[k]`` where its outputs are placed differently."""
     mesh = _mesh()
-    out_spec = _spec(spec, mesh.ndim)
-    largs, lkwargs = _unwrap(args, kwargs, out_spec)
+    items = tuple(_spec(s, mesh.ndim) for s in spec) if isinstance(spec, tuple) else ()
+    out_spec = items[0] if items else _spec(spec, mesh.ndim)
+    largs, lkwargs = _unwrap(args, kwargs, out_spec, items)
     hooks = contextlib.nullcontext()
     if _regather.involved((*largs, *lkwargs.values())):
         hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
@@ -343,7 +346,7 @@ def op(node: str, fn, spec: str, *args, **kwargs):
     if avg:
         out = out / math.prod(mesh.size(a) for a in avg)
         out_spec = tuple(Partial() if a in avg else p for a, p in enumerate(out_spec))
-    return _wrap(out, out_spec)
+    return _wrap(out, out_spec, items)
 
 
 def reshape(node: str, fn, spec: str, x: DTensor, local_shape: list, *rest):
@@ -401,6 +404,19 @@ def factory(fn, *args, **kwargs):
     return DTensor.from_local(fn(*args, **kwargs), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def random_factory(node: str, fn, *args, **kwargs):
+    """A random factory (randn, rand, randint, ...): a replicated tensor, so
+    every rank draws the same values, from the step's seed and the node's
+    name (``_per_shard_rng``), whatever its own generator holds."""
+    mesh = _mesh()
+    with _scoped("node", node):
+        return _per_shard_rng(_factory_impl)(fn, mesh, (Replicate(),) * mesh.ndim, args, kwargs, args)
+
+
+def _factory_impl(fn, mesh, out_spec, args, kwargs, dargs):
+    return factory(fn, *args, **kwargs)
+
+
 def output(x):
     """A program output: the full (global) value on every rank."""
     if isinstance(x, DTensor):
@@ -444,9 +460,18 @@ def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
     summed = list(args) + [None] * (4 - len(args))  # (input, target, weight, reduction, ...)
     summed[3] = 2  # torch's Reduction.Sum
     total = fn(*summed, **{k: v for k, v in kwargs.items() if k != "reduction"})
-    count = (target != ignore).sum().to(total.dtype)
+    if target.is_floating_point():  # class probabilities (dim 1): the mean is over the samples
+        count = torch.ones_like(target.select(1, 0)).sum().to(total.dtype)
+    else:
+        count = (target != ignore).sum().to(total.dtype)
     count = _reduce_over(count.detach(), mesh, partial)
     return total / count
+
+
+def _affine_grid(fn, mesh, out_spec, args, kwargs, dargs):
+    """F.affine_grid's ``size`` names the batch: this rank's share of it."""
+    theta, size, *rest = args
+    return fn(theta, [theta.shape[0], *size[1:]], *rest, **kwargs)
 
 
 def _shard_index(mesh, placements, dim: int | None = None) -> tuple[int, int]:
@@ -598,6 +623,8 @@ def _draws(fn, args, kwargs) -> bool:
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         train = args[2] if len(args) > 2 else kwargs.get("train", True)
         return bool(p > 0 and train)
+    if fn is torch.ops.aten.rrelu.default:  # a random slope per element in training only
+        return bool(args[3] if len(args) > 3 else kwargs.get("training", False))
     return True
 
 
@@ -606,12 +633,14 @@ _DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.defau
              torch.ops.aten.feature_alpha_dropout.default}
 RANDOM_OPS = {*_DROPOUTS, torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.bernoulli.default,
               torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
-              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype}
+              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype, torch.ops.aten.rrelu.default}
 
 LOCAL_IMPLS = {
     torch.ops.aten.embedding.default: _embedding,
     torch.ops.aten.cross_entropy_loss.default: _mean_loss,
     torch.ops.aten.nll_loss.default: _mean_loss,
+    torch.ops.aten.nll_loss_nd.default: _mean_loss,
     torch.ops.aten.batch_norm.default: _batch_norm,
+    torch.ops.aten.affine_grid_generator.default: _affine_grid,
 }
 LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})

@@ -60,6 +60,8 @@ def op_flops(node: Node) -> float:
             # every weight matrix (2-D; biases are 1-D) meets every token once
             tokens = math.prod(info.inputs[0].shape[:-1])
             return 2.0 * tokens * sum(math.prod(w.shape) for w in info.inputs[1:] if len(w.shape) == 2)
+        if node.target is torch.ops.aten.bilinear.default:  # every output meets every (i, j) pair
+            return 2.0 * numel * info.inputs[0].shape[-1] * info.inputs[1].shape[-1]
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             # QK^T and PV: 2 * (2 * B H Sq Sk D)
             return 4.0 * _attention_scores(info) * info.inputs[0].shape[-1]
@@ -316,8 +318,8 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
     if node.kind is NodeKind.OP and kept and not is_view(node):
         mask = min(kept, _dropout_mask_share(node))  # one byte per element whatever the precision
-        priced = sum(ctx.tensor_bytes(m) for m in node.outputs)
-        return {"activations": ((kept - mask) * priced + mask * node.out.nbytes) / shard_factor(s.output, ms)}
+        priced = sum(ctx.tensor_bytes(m) / shard_factor(s.item(k), ms) for k, m in enumerate(node.outputs))
+        return {"activations": (kept - mask) * priced + mask * node.out.nbytes / shard_factor(s.output, ms)}
     return {}
 
 
@@ -367,6 +369,14 @@ def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, kept: float) -> float:
     return sum(memory_breakdown(node, s, ctx, kept).values())
+
+
+def produced(graph: Graph, src: str, consumer: Node, s: Strategy) -> tuple:
+    """(placement, TensorMeta) of what the edge from ``src``, run under ``s``,
+    carries to ``consumer``: its output, or the output a ``getitem`` takes."""
+    if consumer.target is operator.getitem and consumer.item >= 0:
+        return s.item(consumer.item), graph.nodes[src].outputs[consumer.item]
+    return s.output, graph.nodes[src].outputs[0]
 
 
 def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):

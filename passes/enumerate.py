@@ -72,7 +72,7 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
     if k is NodeKind.OUTPUT:
         return [Strategy(((R,) * len(mesh_shape),) * len(node.inputs), (R,) * len(mesh_shape))]
     if node.target is operator.getitem:
-        specs = dict.fromkeys(s.output for s in done[node.inputs[0]])
+        specs = dict.fromkeys(s.item(node.item) if node.item >= 0 else s.output for s in done[node.inputs[0]])
         return [Strategy((spec,), spec) for spec in specs]
     rule = get_rule(node.target)
     replicated = [Strategy(((R,) * len(mesh_shape),) * len(node.inputs), (R,) * len(mesh_shape))]

@@ -88,14 +88,24 @@ class Strategy:
     """Parameters only (ZeRO stage 3): full copies gathered from this sharded
     parameter are not kept for backward but gathered again there. Without it a
     gathered copy stays alive until backward (ZeRO stage 2)."""
+    items: tuple | None = None
+    """An op with several outputs placed differently (a batch-first LSTM's
+    output has its batch on dim 0, its final states on dim 1): a Spec per
+    output, ``output`` being the first. None: every output is placed as
+    ``output``."""
+
+    def item(self, k: int) -> Spec:
+        """The placement of output ``k`` (what a ``getitem`` of it receives)."""
+        return self.items[k] if self.items else self.output
 
     def __str__(self) -> str:
-        text = f"({', '.join(fmt_spec(s) for s in self.inputs)}) -> {fmt_spec(self.output)}"
+        out = f"({', '.join(fmt_spec(s) for s in self.items)})" if self.items else fmt_spec(self.output)
+        text = f"({', '.join(fmt_spec(s) for s in self.inputs)}) -> {out}"
         return text + " regather" if self.regather else text
 
     def splits(self, axis: int) -> bool:
         """Whether the work of this op is divided over mesh axis ``axis``."""
-        return any(isinstance(s[axis], Shard) for s in (*self.inputs, self.output))
+        return any(isinstance(s[axis], Shard) for s in (*self.inputs, self.output, *(self.items or ())))
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,9 @@ class Row:
 
     output: Placement
     inputs: tuple  # tuple[Placement, ...]
+    items: tuple | None = None
+    """A placement per output, for an op whose outputs are placed differently
+    (``Strategy.items``); ``output`` is then the first of them."""
 
 
 def row(output: Placement, *inputs: Placement) -> Row:
@@ -135,6 +148,10 @@ def expand_to_mesh(
 
     Axes of size 1 only take the all-replicate row."""
     rows = list(dict.fromkeys(rows))
+    for r in rows:
+        if r.items is not None and (len(r.items) != len(output_shapes) or r.items[0] != r.output):
+            raise PlanError(f"rule row {r} places {len(r.items)} outputs, first {r.items[0]}; the op has "
+                            f"{len(output_shapes)} outputs and the first must be the row's output {r.output}")
     per_axis = []
     for size in mesh_shape:
         per_axis.append(rows if size > 1 else [r for r in rows if _is_replicate(r)] or rows[:1])
@@ -142,11 +159,12 @@ def expand_to_mesh(
     for combo in itertools.product(*per_axis):
         inputs = tuple(tuple(r.inputs[i] for r in combo) for i in range(len(combo[0].inputs)))
         output = tuple(r.output for r in combo)
+        items = tuple(tuple(r.items[k] if r.items else r.output for r in combo) for k in range(len(output_shapes)))
         if not all(_divides(s, sh, mesh_shape) for s, sh in zip(inputs, input_shapes)):
             continue
-        if not all(_divides(output, sh, mesh_shape) for sh in output_shapes):
+        if not all(_divides(s, sh, mesh_shape) for s, sh in zip(items, output_shapes)):
             continue
-        out.append(Strategy(inputs, output))
+        out.append(Strategy(inputs, output, items=None if all(s == output for s in items) else items))
     return out
 
 

@@ -214,15 +214,17 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     cumprod, activations; and a U-Net step (batch norm with running
     statistics, pooling, transposed convolution, upsampling, BCE on logits);
     an upscaler (pixel shuffle and unshuffle, unfold and fold, diagonal, dot, mv,
-    outer, scatter of a value);
-    tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major (batch
-    split) and batch-first (replicated): the solved plan and a random plan
+    outer, scatter of a value); a recommender (EmbeddingBag); a siamese metric
+    model (FFT, PReLU, GLU, bilinear, cdist, triplet and cosine losses);
+    tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major and
+    batch-first (a placement per output): the solved plan and a random plan
     each, on a 2x2 mesh, train like one device (one launch;
     tests/test_rules.py checks every row of their rules)."""
     sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter", "tests/fixtures/opzoo.py:upscaler",
+               "tests/fixtures/opzoo.py:recommender", "tests/fixtures/opzoo.py:siamese",
                "tests/fixtures/recurrent.py:tagger", "tests/fixtures/recurrent.py:batch_first"]
     reports = verify(sources, "2x2", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 10
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 14
     assert_agrees(reports)
 
 
@@ -243,7 +245,8 @@ def test_dropout_draws_follow_the_step_not_each_ranks_generator():
     the same whatever the other ranks' seeds (the draws come from the step's
     seed, which rank 0 broadcasts), the same on every rank, and the same with
     every block recomputed as without (a recomputed block draws its forward's
-    masks)."""
+    masks). A model drawing noise and timesteps in forward (torch.randn,
+    torch.randint): the same losses whatever the other ranks' seeds."""
     proc = torchrun(["tests/fixtures/dropout_ranks.py", "tests/fixtures/fastnet.json"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
     runs = {}
@@ -251,9 +254,11 @@ def test_dropout_draws_follow_the_step_not_each_ranks_generator():
         if "losses" in line:
             head, values = line.split(": losses ")
             runs[head] = json.loads(values)
-    assert sorted(runs) == ["recompute full offset 1000", "recompute none offset 1000", "recompute none offset 2000"]
+    assert sorted(runs) == ["recompute full offset 1000", "recompute noise offset 1000", "recompute noise offset 2000",
+                            "recompute none offset 1000", "recompute none offset 2000"]
     for steps in runs.values():
         assert len(steps) == 2 and all(len(set(s)) == 1 for s in steps), steps  # every rank the same
     first = {head: [s[0] for s in steps] for head, steps in runs.items()}
     assert first["recompute none offset 1000"] == first["recompute none offset 2000"]
+    assert runs["recompute noise offset 1000"] == runs["recompute noise offset 2000"]
     assert first["recompute full offset 1000"] == pytest.approx(first["recompute none offset 1000"], rel=1e-5)

@@ -1,4 +1,5 @@
 """The planner rediscovers the known optima, prices memory, and explains bad input."""
+import json
 import os
 import warnings
 import pytest
@@ -209,9 +210,10 @@ def test_op_without_rule_is_replicated_with_a_warning(caplog):
 
 def test_recurrent_layers_split_the_batch_or_say_why_they_cannot(caplog, capsys, tmp_path, monkeypatch):
     """Time-major LSTM, GRU and RNN layers split the batch (dim 1 of input,
-    output and states), their weights replicated; batch-first ones cannot
-    (the output's batch is dim 0, the states' dim 1): they run replicated,
-    and the warning, the plan and `--coverage` say why."""
+    output and states), their weights replicated; batch-first ones too, with
+    a placement per output (the output's batch is dim 0, the states' dim 1),
+    which the plan file keeps. Dropout between layers cannot split: the LSTM
+    runs replicated, and the warning, the plan and `--coverage` say why."""
     from autopar.runtime import load_factory
     ops = ("lstm", "gru", "rnn_tanh")
     model, inputs, loss = load_factory("tests/fixtures/recurrent.py:tagger")
@@ -228,20 +230,75 @@ def test_recurrent_layers_split_the_batch_or_say_why_they_cannot(caplog, capsys,
     for op in ops:
         assert plan.node(op).strategy.startswith("(S(1), S(1)") and plan.node(op).strategy.endswith("-> S(1)")
     model, inputs, loss = load_factory("tests/fixtures/recurrent.py:batch_first")
+    plan = autopar.compile(model, inputs, mesh=4, cluster=fast, loss_fn=loss)
+    assert plan.fallbacks == []
+    assert plan.node("lstm").strategy == f"(S(0), S(1), S(1), {', '.join(['R'] * 16)}) -> (S(0), S(1), S(1))"
+    assert [plan.node(f"getitem{k}").strategy for k in ("", "_1", "_2")] == ["(S(0)) -> S(0)", "(S(1)) -> S(1)",
+                                                                          "(S(1)) -> S(1)"]
+    for op in ops[1:]:
+        assert plan.node(op).strategy.endswith("-> (S(0), S(1))")
+    assert autopar.Plan.from_json(json.loads(plan.dumps())).node("gru").item_specs == ["S(0)", "S(1)"]
+    model, inputs, loss = load_factory("tests/fixtures/recurrent.py:layer_dropout")
     with caplog.at_level("WARNING", logger="autopar"):
         plan = autopar.compile(model, inputs, mesh=4, cluster=fast, loss_fn=loss)
-    assert [f["node"] for f in plan.fallbacks] == list(ops)
-    assert all("batch_first=True" in f["reason"] for f in plan.fallbacks)
-    assert "lstm.input (node lstm, in lstm) runs replicated on every device: with batch_first=True" in caplog.text
-    assert any(w.startswith("gru.input at gru (node gru) runs replicated: with batch_first=True") for w in plan.warnings)
-    assert all(plan.node(op).strategy.endswith("-> R") for op in ops)
+    assert [f["node"] for f in plan.fallbacks] == ["lstm"]
+    assert "dropout=0.25 between its layers" in plan.fallbacks[0]["reason"]
+    assert "lstm.input (node lstm, in lstm) runs replicated on every device: dropout=0.25" in caplog.text
+    assert any(w.startswith("lstm.input at lstm (node lstm) runs replicated: dropout=0.25") for w in plan.warnings)
+    assert plan.node("lstm").strategy.endswith("-> R")
     from autopar.cli import main
     monkeypatch.chdir(ROOT)
-    main(["compile", "tests/fixtures/recurrent.py:batch_first", "--mesh", "4", "--cluster", fast,
+    main(["compile", "tests/fixtures/recurrent.py:layer_dropout", "--mesh", "4", "--cluster", fast,
           "-o", str(tmp_path / "plan.json"), "--coverage", "-q"])
     printed = capsys.readouterr().out
-    assert "3 op(s) fell back to replication:" in printed
-    assert "lstm.input" in printed and "(with batch_first=True its output has the batch on dim 0" in printed
+    assert "1 op(s) fell back to replication:" in printed
+    assert "lstm.input" in printed and "(dropout=0.25 between its layers in training" in printed
+
+
+def test_per_output_placements_are_checked_in_the_plan_file():
+    """A plan file's per-output placements (``item_specs``) must start with
+    the node's output_spec and be a strategy the op's rule allows."""
+    import copy
+    from autopar.capture import capture
+    from autopar.codegen import build_program
+    from autopar.errors import PlanError
+    model, inputs, loss = load_factory("tests/fixtures/recurrent.py:batch_first")
+    fast = os.path.join(ROOT, "tests", "fixtures", "fastnet.json")
+    obj = autopar.compile(model, inputs, mesh=4, cluster=fast, loss_fn=loss).to_json()
+    gru = next(n for n in obj["nodes"] if n["name"] == "gru")
+    assert gru["item_specs"] == ["S(0)", "S(1)"]
+    edited = copy.deepcopy(obj)
+    next(n for n in edited["nodes"] if n["name"] == "gru")["item_specs"] = ["S(1)", "S(1)"]
+    with pytest.raises(PlanError, match=r"plan node 'gru' places its first output \['S\(1\)'\] but its "
+                                        r"output_spec is 'S\(0\)'"):
+        autopar.Plan.from_json(edited)
+    next(n for n in edited["nodes"] if n["name"] == "gru")["item_specs"] = ["S(0)", "S(0)"]
+    with pytest.raises(PlanError, match=r"plan node gru \(gru.input at gru\) has strategy \(S\(0\), S\(1\), R, R, "
+                                        r"R, R\) -> \(S\(0\), S\(0\)\), which its sharding rule does not allow"):
+        build_program(capture(model, inputs, loss), autopar.Plan.from_json(edited))
+
+
+def test_complex_intermediates_are_priced_and_split():
+    """An FFT's complex output is costed by its element size (it crashed the
+    byte count once) and splits along the dims it does not transform."""
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, 64), nn.Linear(33, 4)
+
+        def forward(self, x):
+            return self.out(torch.fft.rfft(self.inp(x), dim=-1).abs())
+
+    from autopar.capture import capture
+    from autopar.cost_models.graph_costs import op_bytes
+    model, x = Spectral(), torch.randn(8, 16)
+    graph = capture(model, (x,))
+    (fft,) = [n for n in graph.nodes.values() if n.op_name == "fft_rfft"]
+    assert op_bytes(fft) == 8 * 64 * 4 + 8 * 33 * 8  # float32 in, complex64 out
+    from autopar.passes.enumerate import enumerate_strategies
+    strategies, fallbacks = enumerate_strategies(graph, (2,))
+    assert fallbacks == [] and [str(s) for s in strategies[fft.name]] == ["(S(0)) -> S(0)", "(R) -> R"]
+    assert autopar.compile(model, (x,), mesh=2, cluster="dgx-a100").fallbacks == []
 
 
 def test_dimension_no_axis_divides_is_warned():
@@ -326,7 +383,6 @@ def test_tied_weights_get_one_placement():
 
 def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeypatch, caplog):
     import copy
-    import json
 
     import autopar.compiler
     from mlp import make

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
 from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
-from rule_samples import SAMPLES, Sample, gen, idx  # tests/ is on sys.path under pytest
+from rule_samples import SAMPLES, Sample, gen, idx, x  # tests/ is on sys.path under pytest
 
 WORLD = 4
 
@@ -152,9 +152,9 @@ def _local_values(t) -> dict:
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
-    if not a.dtype.is_floating_point:
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
         return torch.equal(a, b)
-    tol = dict(rtol=1e-6, atol=1e-8) if a.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-6, atol=1e-8) if a.dtype in (torch.float64, torch.complex128) else dict(rtol=1e-5, atol=1e-5)
     return torch.allclose(a, b, equal_nan=True, **tol)
 
 
@@ -162,18 +162,25 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
     """Run the op as the emitted program does (autopar.spmd), on DTensor arguments."""
     from autopar import spmd
     from autopar.codegen import RESHAPES
-    from autopar.passes.rules.misc import FACTORIES
+    from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
 
     a, kw = pytree.tree_unflatten(args, spec)
-    out_spec = fmt_spec(strategy.output)
+    out_spec = tuple(fmt_spec(s) for s in strategy.items) if strategy.items else fmt_spec(strategy.output)
     with spmd.use_mesh(mesh):
         if sample.target in FACTORIES:
             return spmd.factory(sample.target, *a, **kw)
+        if sample.target in RANDOM_FACTORIES:
+            return spmd.random_factory("node", sample.target, *a, **kw)
         if sample.target in RESHAPES:
             ref_shape = sample.target(*sample.args, **sample.kwargs).shape
             shape = list(local_shape(ref_shape, strategy.output, mesh_shape))
             return spmd.reshape("node", sample.target, out_spec, a[0], shape)
         return spmd.op("node", sample.target, out_spec, *a, **kw)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex output enters the test loss by the real part of its product with a complex cotangent."""
+    return t.real if t.is_complex() else t
 
 
 def _reference(sample: Sample, flat, spec, tensors):
@@ -188,11 +195,12 @@ def _reference(sample: Sample, flat, spec, tensors):
         ref_flat[i] = flat[i].clone()
     a, kw = pytree.tree_unflatten(ref_flat, spec)
     refs = [t for t in pytree.tree_leaves(sample.target(*a, **kw)) if isinstance(t, torch.Tensor)]
-    cots = [torch.randn(r.shape, generator=gen(100 + k), dtype=r.dtype) if r.dtype.is_floating_point else None
+    cots = [torch.randn(r.shape, generator=gen(100 + k), dtype=r.dtype)
+            if r.dtype.is_floating_point or r.dtype.is_complex else None
             for k, r in enumerate(refs)]
     grads = {}
     if any(r.requires_grad for r in refs):
-        sum((r * c).sum() for r, c in zip(refs, cots) if c is not None and r.requires_grad).backward()
+        sum(_real(r * c).sum() for r, c in zip(refs, cots) if c is not None and r.requires_grad).backward()
         grads = {i: ref_flat[i].grad for i in differentiable if ref_flat[i].grad is not None}
     return [r.detach() for r in refs], cots, grads, {i: ref_flat[i] for i in mutated}
 
@@ -228,7 +236,8 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
         got = [(t.placements, t.shape, _local_values(t.to_local())) for t in outs]
         got_grads = {}
         if leaves:
-            loss = sum((o.full_tensor() * c).sum() for o, c in zip(outs, cots) if c is not None and o.requires_grad)
+            loss = sum(_real(o.full_tensor() * c).sum() for o, c in zip(outs, cots)
+                       if c is not None and o.requires_grad)
             loss.backward()
             got_grads = {i: _local_values(leaf.grad.full_tensor()) if leaf.grad is not None else None
                          for i, leaf in leaves.items()}
@@ -236,11 +245,11 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
     if len(got) != len(refs):
         return [f"{len(got)} outputs, expected {len(refs)}"]
     # spmd turns a planned Partial(avg) into Partial(sum) of local means / n
-    want = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
     problems = []
     for k, ((placements, shape, local_vals), r) in enumerate(zip(got, refs)):
+        want = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.item(k))
         if not all(_same_placement(a, b) for a, b in zip(placements, want)):
-            problems.append(f"output {k}: placed {fmt_spec(placements)}, the row says {fmt_spec(strategy.output)}")
+            problems.append(f"output {k}: placed {fmt_spec(placements)}, the row says {fmt_spec(strategy.item(k))}")
             continue
         if tuple(shape) != tuple(r.shape):
             problems.append(f"output {k}: global shape {tuple(shape)}, expected {tuple(r.shape)}")
@@ -335,7 +344,8 @@ def check(sample: Sample, strategy, mesh_shape) -> list[str]:
 
 def _axis_rows(strategy) -> list[str]:
     """The single-axis rows a strategy combines, printed."""
-    return [str(Strategy(tuple((s[a],) for s in strategy.inputs), (strategy.output[a],)))
+    return [str(Strategy(tuple((s[a],) for s in strategy.inputs), (strategy.output[a],),
+                         items=tuple((s[a],) for s in strategy.items) if strategy.items else None))
             for a in range(len(strategy.output))]
 
 
@@ -402,6 +412,15 @@ def test_every_registered_op_has_a_sample():
 _BY_ID = {s.id: s for s in SAMPLES}
 
 RULE_TABLE = [
+    # a batch-first recurrent layer: its output and its final states split the batch on different dims
+    ("gru.input[batch_first]", ["(R, R, R, R) -> R", "(S(0), S(1), R, R) -> (S(0), S(1))"]),
+    # column-split bags: the other outputs come from the indices (replicated); max mode's argmax splits too
+    ("embedding_bag.padding_idx[max_last_offset]", ["(R, R, R) -> R", "(S(1), R, R) -> (S(1), R, R, S(1))"]),
+    ("prelu.default", ["(S(0), R) -> S(0)", "(S(1), S(0)) -> S(1)", "(S(2), R) -> S(2)", "(R, R) -> R"]),
+    ("cdist.default", ["(S(0), S(0)) -> S(0)", "(S(1), R) -> S(1)", "(R, S(1)) -> S(2)", "(R, R) -> R"]),
+    ("grid_sampler.default", ["(S(0), S(0)) -> S(0)", "(S(1), R) -> S(1)", "(R, S(1)) -> S(2)", "(R, S(2)) -> S(3)",
+                              "(R, R) -> R"]),
+    ("cross_entropy_loss.default[unbatched]", ["(R, R) -> R"]),
     ("conv2d.default", ["(S(0), R, R) -> S(0)", "(R, S(0), S(0)) -> S(1)", "(S(1), S(1), P) -> P", "(R, R, R) -> R"]),
     ("conv2d.default[nobias_stride]", ["(S(0), R) -> S(0)", "(R, S(0)) -> S(1)", "(S(1), S(1)) -> P", "(R, R) -> R"]),
     ("conv2d.default[groups]", ["(S(0), R, R) -> S(0)", "(R, R, R) -> R"]),
@@ -445,6 +464,13 @@ RULE_TABLE = [
 def test_rule_table(sample_id, expected):
     strategies = strategies_for(_BY_ID[sample_id], (WORLD,))
     assert [str(s) for s in strategies] == expected
+
+
+def test_feature_dropout_in_training_splits_only_samples_and_channels():
+    """Dropout2d draws one mask per (sample, channel): a split spatial dim
+    would draw one per shard. In eval (tested with the samples) every dim splits."""
+    sample = Sample(aten.feature_dropout.default, (x(4, 8, 6, 6), 0.5, True), {})
+    assert [str(s) for s in strategies_for(sample, (WORLD,))] == ["(S(0)) -> S(0)", "(S(1)) -> S(1)", "(R) -> R"]
 
 
 def test_one_hot_with_inferred_classes_is_replicated():

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate
 from autopar.capture import NodeKind
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, saved_outputs,
+    CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, produced, saved_outputs,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
@@ -101,7 +101,7 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
                               [_full_spec(x, inner, mesh) for x in s.inputs], _full_spec(s.output, inner, mesh), f + b,
                               node_memory(node, s, ctx, kept_share.get(node.name, 0.0)),
-                              len(prof.strategies[node.name])))
+                              len(prof.strategies[node.name]), [_full_spec(x, inner, mesh) for x in s.items or ()]))
     stage_of, stage_entries = {}, []
     for c, (i, j) in enumerate(cand.ranges):
         names = layers.nodes_of(graph, i, j)
@@ -174,8 +174,8 @@ def _collectives(cand: Candidate, ctx: CostContext, stage_of: dict, mesh: Mesh, 
             backward = node.name in grad and src in grad
             if not reshards.pays(node, idx, src, s, backward):
                 continue
-            meta = graph.nodes[src].outputs[0]
-            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward)
+            have, meta = produced(graph, src, node, chosen[src])
+            fwd, bwd = edge_moves(have, s, idx, meta, ctx, backward)
             for phase, moves in (("forward", fwd), ("backward", bwd)):
                 for mv in moves:
                     sync = phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM

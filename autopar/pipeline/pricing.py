@@ -16,7 +16,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
-    gradient_transient, kept_outputs, needs_grad, node_compute, saves_input, op_flops,
+    gradient_transient, kept_outputs, needs_grad, node_compute, produced, saves_input, op_flops,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
@@ -241,12 +241,11 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if backward else 1)
         for idx, src in enumerate(node.inputs):
-            meta = graph.nodes[src].outputs[0]
-            held = edge_memory(chosen[src].output, s.inputs[idx], meta, ctx, backward and saves_input(node),
-                               src in read)
-            lc.act_bytes += reshards.keeps(node, idx, src, chosen[src].output, s, backward and src in grad, held)
-            fwd, bwd = edge_moves(chosen[src].output, s, idx, meta, ctx, backward and src in grad)
-            working += gradient_transient(bwd, chosen[src].output, s, idx, meta, ctx)
+            have, meta = produced(graph, src, node, chosen[src])
+            held = edge_memory(have, s.inputs[idx], meta, ctx, backward and saves_input(node), src in read)
+            lc.act_bytes += reshards.keeps(node, idx, src, have, s, backward and src in grad, held)
+            fwd, bwd = edge_moves(have, s, idx, meta, ctx, backward and src in grad)
+            working += gradient_transient(bwd, have, s, idx, meta, ctx)
             if not reshards.pays(node, idx, src, s, backward and src in grad):
                 continue  # the first consumer's reshard serves this one
             lc.comm_s += sum(mv.seconds for mv in fwd)

@@ -33,7 +33,7 @@ class TensorMeta:
         n = 1
         for s in self.shape:
             n *= s
-        return n * (torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else torch.iinfo(self.dtype).bits // 8 if self.dtype != torch.bool else 1)
+        return n * self.dtype.itemsize
 
 
 class TensorArg:
@@ -102,8 +102,8 @@ def registered_ops() -> list:
 
 
 def _load():
-    from autopar.passes.rules import (along, conv, extra, matmul, misc, norm, pointwise, recurrent,  # noqa: F401
-                                      reduction, view)
+    from autopar.passes.rules import (along, conv, distance, extra, matmul, misc, norm, pointwise,  # noqa: F401
+                                      recurrent, reduction, view)
 
 
 _load()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 
+import torch
 from torch.ops import aten
 
 from autopar.errors import AutoparError
@@ -114,6 +115,72 @@ def index_rule(info: OpInfo):
     return rows
 
 
+@register(aten.index_put.default)
+def index_put_rule(info: OpInfo):
+    """x[idx] = v (or += with accumulate), out of place: index tensors on a
+    block of adjacent dims, as ``index_rule``. A dim of x not indexed splits,
+    and the values with it where they have that dim at full size (where they
+    broadcast along it, whole); the index tensors stay whole."""
+    x, values = info.inputs[0], info.inputs[-1]
+    indices = [t for t in info.arg(1, "indices") if t is not None]
+    indexed = [d for d, t in enumerate(info.arg(1, "indices")) if t is not None]
+    n_idx = len(info.inputs) - 2
+    rows = []
+    if indexed and indexed == list(range(indexed[0], indexed[-1] + 1)) and all(
+            not t.meta.dtype.is_floating_point and t.meta.dtype != torch.bool for t in indices):
+        index_ndim = max(t.meta.ndim for t in indices)
+        result_ndim = x.ndim - len(indexed) + index_ndim  # x[idx]'s shape, which v broadcasts to
+        for d in range(x.ndim):
+            if d in indexed or x.shape[d] == 1:
+                continue
+            j = (d if d < indexed[0] else d - len(indexed) + index_ndim) - (result_ndim - values.ndim)
+            v = R if j < 0 or values.shape[j] == 1 else S(j) if values.shape[j] == x.shape[d] else None
+            if v is not None:
+                rows.append(Row(S(d), (S(d),) + (R,) * n_idx + (v,)))
+    rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
+@register(aten.index_add.default, aten.index_copy.default)
+def index_add_rule(info: OpInfo):
+    """index_add / index_copy(x, dim, index, source): rows of ``source`` go
+    to positions ``index`` along ``dim`` of x; any other dim splits, x and
+    source with it, the index whole."""
+    x = info.inputs[0]
+    dim = info.arg(1, "dim") % x.ndim
+    rows = [Row(S(d), (S(d), R, S(d))) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    rows.append(Row(R, (R, R, R)))
+    return rows
+
+
+@register(aten.bucketize.Tensor)
+def bucketize_rule(info: OpInfo):
+    """The bucket of each element among replicated boundaries: x splits freely."""
+    x = info.inputs[0]
+    return [Row(S(d), (S(d), R)) for d in range(x.ndim) if x.shape[d] > 1] + [Row(R, (R, R))]
+
+
+@register(aten.searchsorted.Tensor)
+def searchsorted_rule(info: OpInfo):
+    """searchsorted(sorted_sequence, values): with one (1-D) sequence, the
+    values split freely; a batch of sequences splits with the values on the
+    leading dims."""
+    seq, values = info.inputs
+    if seq.ndim == 1:
+        rows = [Row(S(d), (R, S(d))) for d in range(values.ndim) if values.shape[d] > 1]
+    else:
+        rows = [Row(S(d), (S(d), S(d))) for d in range(seq.ndim - 1) if seq.shape[d] > 1]
+    return rows + [Row(R, (R, R))]
+
+
+@register(aten.affine_grid_generator.default)
+def affine_grid_rule(info: OpInfo):
+    """F.affine_grid(theta (N, 2, 3), size): each sample's grid from its own
+    theta (the runtime gives ``size`` the local batch, spmd._affine_grid)."""
+    theta = info.inputs[0]
+    return ([Row(S(0), (S(0),))] if theta.shape[0] > 1 else []) + [Row(R, (R,))]
+
+
 # --- resampling ------------------------------------------------------------
 
 _UPSAMPLE = [
@@ -133,6 +200,21 @@ def upsample_rule(info: OpInfo):
     x = info.inputs[0]
     rows = [Row(S(d), (S(d),)) for d in (0, 1) if x.shape[d] > 1]
     rows += [Row(P, (P,)), Row(R, (R,))]
+    return rows
+
+
+@register(aten.grid_sampler.default)
+def grid_sampler_rule(info: OpInfo):
+    """F.grid_sample(x (N, C, *in), grid (N, *out, k)) -> (N, C, *out): each
+    output point reads its own sample's channels at one place: N splits with
+    both, C with x (the grid whole), an output position with the grid (x
+    whole). The input's positions do not split (any point may read any)."""
+    x, grid = info.inputs
+    rows = [Row(S(0), (S(0), S(0)))] if x.shape[0] > 1 else []
+    if x.shape[1] > 1:
+        rows.append(Row(S(1), (S(1), R)))
+    rows += [Row(S(d + 1), (R, S(d))) for d in range(1, grid.ndim - 1) if grid.shape[d] > 1]
+    rows.append(Row(R, (R, R)))
     return rows
 
 

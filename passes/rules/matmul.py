@@ -99,6 +99,16 @@ def linear_rule(info: OpInfo):
     return einsum_rows(eq, info, additive="N" if len(info.inputs) == 3 else None)
 
 
+@register(aten.bilinear.default, matmul=True)
+def bilinear_rule(info: OpInfo):
+    """nn.Bilinear: y = x1 W x2 + b, one weight slice (I, J) per output feature."""
+    x1, x2 = info.inputs[0], info.inputs[1]
+    if x1.shape[:-1] != x2.shape[:-1]:
+        return [Row(R, (R,) * len(info.inputs))]
+    batch = _batch_letters(x1.ndim - 1)
+    return einsum_rows(f"{batch}I,{batch}J,OIJ->{batch}O", info, additive="O" if len(info.inputs) == 4 else None)
+
+
 @register(aten.matmul.default, matmul=True)
 def matmul_rule(info: OpInfo):
     a, b = info.inputs[0].ndim, info.inputs[1].ndim

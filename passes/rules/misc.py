@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial
 from torch.ops import aten
 
-from autopar.passes.rules import OpInfo, register
+from autopar.passes.rules import OpInfo, ReplicatedOnly, register
 from autopar.passes.strategy import P, R, Row, S
 
 
@@ -15,6 +15,24 @@ def embedding_rule(info: OpInfo):
     rows.append(Row(S(idx.ndim), (S(1), R)))      # hidden dim split
     rows.append(Row(P, (S(0), R)))                # vocabulary split: masked lookup, summed
     rows.append(Row(R, (R, R)))
+    return rows
+
+
+@register(aten.embedding_bag.padding_idx, aten.embedding_bag.default)
+def embedding_bag_rule(info: OpInfo):
+    """nn.EmbeddingBag: split the embedding dim (the table's columns, as
+    column-wise sharded recommendation tables are), each rank pooling its
+    columns of every bag. Its other outputs (which bag each index is in, the
+    bag sizes) come from the indices alone and stay replicated; in max mode
+    the argmax per column splits with the columns. Bags are not split: where
+    a shard of the indices starts depends on the offsets' values."""
+    if info.arg(5, "sparse", False):
+        raise ReplicatedOnly("sparse=True makes a sparse gradient, which the runtime does not place")
+    table, n_in = info.inputs[0], len(info.inputs)
+    rows = [Row(R, (R,) * n_in)]
+    if table.shape[1] > 1:
+        argmax = S(1) if info.outputs[3].ndim == 2 else R
+        rows.append(Row(S(1), (S(1),) + (R,) * (n_in - 1), (S(1), R, R, argmax)))
     return rows
 
 
@@ -39,16 +57,18 @@ def sdpa_rule(info: OpInfo):
 _REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum
 
 
-@register(aten.cross_entropy_loss.default, aten.nll_loss.default)
+@register(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
 def cross_entropy_rule(info: OpInfo):
-    """Batch split, without class weights. A mean over the targets that are not
-    ignore_index is a Partial sum of (local loss sum / global target count);
-    the runtime all-reduces the count (autopar/spmd.py, _mean_loss)."""
+    """Batch split (dim 0 of a batched input: dim 1 holds the classes),
+    without class weights. A mean over the targets that are not ignore_index
+    (over the samples, for class probabilities) is a Partial sum of (local
+    loss sum / global count); the runtime all-reduces the count
+    (autopar/spmd.py, _mean_loss)."""
     x = info.inputs[0]
     reduction = _REDUCTION[info.arg(3, "reduction", 1)]
     n_in = len(info.inputs)
     rows = [Row(R, (R,) * n_in)]
-    if x.ndim >= 1 and x.shape[0] > 1 and n_in == 2:
+    if x.ndim >= 2 and x.shape[0] > 1 and n_in == 2:
         rows.append(Row(S(0) if reduction is None else P, (S(0), S(0))))
     return rows
 
@@ -56,7 +76,8 @@ def cross_entropy_rule(info: OpInfo):
 _LOSS_REDUCTION_ARG = {
     aten.binary_cross_entropy.default: 3, aten.binary_cross_entropy_with_logits.default: 4,
     aten.huber_loss.default: 2, aten.l1_loss.default: 2, aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2,
-    aten.soft_margin_loss.default: 2,
+    aten.soft_margin_loss.default: 2, aten.kl_div.default: 2, aten.hinge_embedding_loss.default: 3,
+    aten.margin_ranking_loss.default: 4, aten.poisson_nll_loss.default: 5,
 }
 """Losses that are a reduction of a per-element term: the argument position of ``reduction``."""
 
@@ -81,11 +102,18 @@ def elementwise_loss_rule(info: OpInfo):
 # Tensor factories: every rank makes the same (replicated) tensor. Alphabetical.
 FACTORIES = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.empty.memory_format, aten.eye.default,
-    aten.eye.m, aten.full.default, aten.ones.default, aten.scalar_tensor.default, aten.zeros.default,
+    aten.eye.m, aten.full.default, aten.linspace.default, aten.ones.default, aten.scalar_tensor.default,
+    aten.zeros.default,
+]
+# Random ones (noise, timesteps drawn in forward): replicated too, every rank
+# drawing the same values from the step's seed (autopar/spmd.py, random_factory).
+RANDOM_FACTORIES = [
+    aten.normal.float_float, aten.rand.default, aten.randint.default, aten.randint.low, aten.randn.default,
+    aten.randperm.default,
 ]
 
 
-@register(*FACTORIES)
+@register(*FACTORIES, *RANDOM_FACTORIES)
 def factory_rule(info: OpInfo):
     return [Row(R, ())]
 

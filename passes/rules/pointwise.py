@@ -2,7 +2,7 @@
 really has that dim (not broadcast from size 1) along with it."""
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Replicate
 from torch.ops import aten
 
 from autopar.passes.rules import OpInfo, register
@@ -31,21 +31,24 @@ POINTWISE = [
     aten.addcmul.default, aten.asin.default, aten.asinh.default, aten.atan.default, aten.atan2.default,
     aten.atanh.default, aten.bitwise_and.Tensor, aten.bitwise_not.default, aten.bitwise_or.Tensor,
     aten.ceil.default, aten.celu.default, aten.clamp.Tensor, aten.clamp.default, aten.clamp_max.default,
-    aten.clamp_min.default, aten.copysign.Tensor, aten.cos.default, aten.cosh.default, aten.elu.default,
+    aten.clamp_min.default, aten.copysign.Tensor, aten.cos.default, aten.cosh.default, aten.digamma.default,
+    aten.elu.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.erf.default, aten.erfc.default, aten.erfinv.default, aten.exp.default,
     aten.exp2.default, aten.expm1.default, aten.floor.default, aten.floor_divide.default, aten.fmax.default,
     aten.fmin.default, aten.fmod.Scalar, aten.fmod.Tensor, aten.frac.default, aten.ge.Scalar, aten.ge.Tensor,
     aten.gelu.default, aten.gt.Scalar, aten.gt.Tensor, aten.hardshrink.default, aten.hardsigmoid.default,
     aten.hardswish.default, aten.hardtanh.default, aten.hypot.default, aten.isinf.default, aten.isnan.default,
-    aten.le.Scalar, aten.le.Tensor, aten.leaky_relu.default, aten.lerp.Scalar, aten.lerp.Tensor, aten.log.default,
-    aten.log10.default, aten.log1p.default, aten.log2.default, aten.logical_and.default, aten.logical_not.default,
+    aten.le.Scalar, aten.le.Tensor, aten.leaky_relu.default, aten.lerp.Scalar, aten.lerp.Tensor, aten.lgamma.default,
+    aten.log.default, aten.log10.default, aten.log1p.default, aten.log2.default, aten.log_sigmoid.default,
+    aten.logical_and.default, aten.logical_not.default,
     aten.logical_or.default, aten.logical_xor.default, aten.logit.default, aten.lt.Scalar, aten.lt.Tensor,
     aten.masked_fill.Scalar, aten.maximum.default, aten.minimum.default, aten.mish.default,
     aten.nan_to_num.default, aten.ne.Scalar, aten.ne.Tensor, aten.pow.Scalar, aten.pow.Tensor_Scalar,
     aten.pow.Tensor_Tensor, aten.reciprocal.default, aten.relu.default, aten.remainder.Scalar,
     aten.remainder.Tensor, aten.round.default, aten.rsqrt.default, aten.rsub.Scalar, aten.rsub.Tensor,
-    aten.selu.default, aten.sigmoid.default, aten.sign.default, aten.silu.default,
-    aten.sin.default, aten.sinh.default, aten.softplus.default, aten.softshrink.default, aten.sqrt.default,
+    aten.rrelu.default, aten.selu.default, aten.sigmoid.default, aten.sign.default, aten.silu.default,
+    aten.sin.default, aten.sinh.default, aten.softplus.default, aten.softshrink.default, aten.special_erf.default,
+    aten.special_expm1.default, aten.special_xlogy.default, aten.sqrt.default,
     aten.square.default, aten.sub.Scalar, aten.tan.default, aten.tanh.default, aten.threshold.default,
     aten.trunc.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.self, aten.xlogy.Tensor,
 ]
@@ -65,9 +68,48 @@ SCALING = [aten.div.Tensor, aten.mul.Tensor]
 CONVERSIONS = [aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default]
 
 
+# More of them: bit operators, predicates, and torch.special's functions (some
+# are aliases that torch.export keeps by their own name). Alphabetical.
+POINTWISE += [
+    aten.__and__.Tensor, aten.__lshift__.Scalar, aten.__or__.Tensor, aten.__rshift__.Scalar, aten.__xor__.Tensor,
+    aten.bitwise_xor.Tensor, aten.deg2rad.default, aten.float_power.Scalar, aten.float_power.Tensor_Scalar,
+    aten.float_power.Tensor_Tensor, aten.heaviside.default, aten.i0.default, aten.isclose.default,
+    aten.isfinite.default, aten.isneginf.default, aten.isposinf.default, aten.logaddexp.default,
+    aten.logaddexp2.default, aten.rad2deg.default, aten.relu6.default, aten.signbit.default,
+    aten.sinc.default, aten.special_digamma.default, aten.special_entr.default, aten.special_erfc.default,
+    aten.special_erfinv.default, aten.special_exp2.default, aten.special_expit.default,
+    aten.special_gammaln.default, aten.special_i0.default, aten.special_log1p.default, aten.special_logit.default,
+    aten.special_ndtr.default, aten.special_psi.default, aten.special_sinc.default, aten.special_xlog1py.default,
+]
+
+
 @register(*POINTWISE)
 def pointwise_rule(info: OpInfo):
     return broadcast_rows(info)
+
+
+@register(aten.prelu.default)
+def prelu_rule(info: OpInfo):
+    """prelu(x, weight): one slope, or one per channel (dim 1 of x), which
+    splits with the channels; every other dim splits alone."""
+    x, weight = info.inputs
+    per_channel = weight.shape[0] > 1 and x.ndim > 1
+    rows = [Row(S(d), (S(d), S(0) if d == 1 and per_channel else R)) for d in range(x.ndim) if x.shape[d] > 1]
+    rows.append(Row(R, (R, R)))
+    return rows
+
+
+@register(aten.alpha_dropout.default, aten.feature_dropout.default, aten.feature_alpha_dropout.default)
+def dropout_variant_rule(info: OpInfo):
+    """AlphaDropout draws per element: any dim splits (each shard draws its
+    own, autopar/spmd.py). Dropout1d/2d/3d (feature_*) draw one mask per
+    sample and channel, the same over the other dims: in training those
+    dims would draw one mask per shard, so only dims 0 and 1 split."""
+    rows = broadcast_rows(info)
+    feature = info.target is not aten.alpha_dropout.default
+    if feature and info.arg(1, "p", 0.5) > 0 and info.arg(2, "train", True):
+        rows = [r for r in rows if isinstance(r.output, Replicate) or r.output.dim < 2]
+    return rows
 
 
 @register(*LINEAR, *CONVERSIONS)

@@ -17,26 +17,23 @@ bidirectional, batch_first."""
 def recurrent_rule(info: OpInfo):
     """Batch split: each sequence runs its own recurrence over the same,
     replicated weights, so its outputs and final states split with it (the
-    weights' gradients are Partial sums). Time-major input (batch_first
-    False, PyTorch's default) has the batch on dim 1 of the input, of the
-    output and of every state tensor: one placement says all of them.
-    Refused with the reason: batch_first (the output's batch is dim 0, the
-    states' dim 1, which one placement cannot say), dropout between layers
-    in training (every shard would draw the same mask), unbatched input."""
+    weights' gradients are Partial sums). The states always have the batch on
+    dim 1; the input and output on dim 1 too when time-major (PyTorch's
+    default), on dim 0 with batch_first. Refused with the reason: dropout
+    between layers in training (every shard would draw the same mask),
+    unbatched input."""
     x = info.inputs[0]
     states = 2 if info.target is aten.lstm.input else 1
     n_in = len(info.inputs)
     dropout, train, batch_first = info.arg(5, "dropout"), info.arg(6, "train"), info.arg(8, "batch_first")
     if x.ndim != 3:
         raise ReplicatedOnly("an unbatched sequence has no batch dim to split")
-    if batch_first:
-        raise ReplicatedOnly("with batch_first=True its output has the batch on dim 0 and its final states on "
-                             "dim 1, which one placement cannot describe; a time-major layer (batch_first=False) "
-                             "splits the batch")
     if dropout and train and info.arg(4, "num_layers") > 1:
         raise ReplicatedOnly(f"dropout={dropout} between its layers in training would draw the same mask on "
                              "every batch shard")
     rows = [Row(R, (R,) * n_in)]
-    if x.shape[1] > 1:
-        rows.append(Row(S(1), (S(1),) * (1 + states) + (R,) * (n_in - 1 - states)))
+    batch = S(0) if batch_first else S(1)
+    if x.shape[batch.dim] > 1:
+        inputs = (batch,) + (S(1),) * states + (R,) * (n_in - 1 - states)
+        rows.append(Row(batch, inputs, (batch,) + (S(1),) * states if batch_first else None))
     return rows

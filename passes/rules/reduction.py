@@ -14,6 +14,7 @@ _PARTIAL = {
     aten.sum.dim_IntList: "sum", aten.sum.default: "sum",
     aten.mean.dim: "avg", aten.mean.default: "avg",
     aten.amax.default: None, aten.amin.default: None,
+    aten.nansum.default: "sum", aten.count_nonzero.dim_IntList: "sum", aten.count_nonzero.default: "sum",
 }
 
 
@@ -41,6 +42,8 @@ def reduction_rows(info: OpInfo, dims, keepdim: bool, op: str) -> list[Row]:
 def reduction_rule(info: OpInfo):
     if info.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = None, False
+    elif info.target in (aten.count_nonzero.dim_IntList, aten.count_nonzero.default):
+        dims, keepdim = info.arg(1, "dim"), False
     else:
         dims, keepdim = info.arg(1, "dim"), info.arg(2, "keepdim", False)
     if isinstance(dims, int):

@@ -63,6 +63,13 @@ def t_rule(info: OpInfo):
     return map_rows(info, {0: nd - 1, nd - 1: 0} if nd == 2 else {0: 0})
 
 
+@register(aten.numpy_T.default)
+def numpy_t_rule(info: OpInfo):
+    """x.T: every dim reversed."""
+    nd = info.inputs[0].ndim
+    return map_rows(info, {d: nd - 1 - d for d in range(nd)})
+
+
 @register(aten.permute.default)
 def permute_rule(info: OpInfo):
     nd = info.inputs[0].ndim
