@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 from autopar.errors import AutoparError
@@ -161,9 +162,55 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2)
     v.add_argument("--random-plans", type=int, default=0)
     v.set_defaults(fn=_verify)
+    o = sub.add_parser("ops", help="list the ops with a sharding rule, and what each rule splits")
+    o.add_argument("query", nargs="?", help="only ops whose name contains this (e.g. lstm, softmax)")
+    o.add_argument("--markdown", action="store_true", help="the full table as Markdown (docs/ops.md)")
+    o.set_defaults(fn=_ops)
     for name, (_, _, text) in OWN_PARSERS.items():
         sub.add_parser(name, help=text, add_help=False)  # listed in --help; parsed by its own module
     return p
+
+
+def _ops(args) -> int:
+    from autopar.passes.rules import rule_table
+    table = rule_table()
+    if args.markdown:
+        print(ops_markdown(table), end="")
+        return 0
+    query = (args.query or "").lower()
+    shown = 0
+    for module, fn, ops in table:
+        ops = [op for op in ops if query in op.lower()]
+        if not ops:
+            continue
+        shown += len(ops)
+        print(f"{module}.{fn.__name__}: {', '.join(ops)}")
+        print(textwrap.indent(textwrap.fill(" ".join(fn.__doc__.split()), 96), "    "))
+    if not shown:
+        print(f"no op matching {args.query!r} has a sharding rule: it runs replicated on every device, "
+              "and `autopar compile` warns about it")
+        return 1
+    return 0
+
+
+def ops_markdown(table) -> str:
+    """docs/ops.md: every rule, its ops and what it splits (``autopar ops --markdown``)."""
+    n_ops = sum(len(ops) for _, _, ops in table)
+    lines = [
+        "# Ops with a sharding rule",
+        "",
+        f"{n_ops} ATen ops in {len(table)} rules (`passes/rules/`), as `autopar ops --markdown` prints them. An op "
+        "that is not here runs replicated on every device, and `autopar compile` warns about it (`--coverage` "
+        "lists them); a rule may also decline for some arguments, saying why. Names are as plans print them "
+        "(`aten.` and `.default` left out). `autopar ops QUERY` searches from the command line.",
+        "",
+        "| rule | what splits | ops |",
+        "|---|---|---|",
+    ]
+    for module, fn, ops in table:
+        doc = " ".join(fn.__doc__.split()).replace("|", "\\|")
+        lines.append(f"| `{module}.{fn.__name__}` | {doc} | {', '.join(f'`{op}`' for op in ops)} |")
+    return "\n".join(lines) + "\n"
 
 
 # Commands that parse their own arguments: name -> (module, function, help).

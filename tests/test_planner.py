@@ -301,6 +301,26 @@ def test_complex_intermediates_are_priced_and_split():
     assert autopar.compile(model, (x,), mesh=2, cluster="dgx-a100").fallbacks == []
 
 
+def test_ops_lists_the_rules_and_docs_ops_md_is_its_output(capsys):
+    """`autopar ops QUERY` names the rule of each matching op and what it
+    splits; an op without one exits 1 saying it would run replicated;
+    docs/ops.md is `autopar ops --markdown`, so it lists every registered op."""
+    from autopar.cli import main
+    from autopar.passes.rules import registered_ops
+    assert main(["ops", "embedding_bag"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("misc.embedding_bag_rule: embedding_bag, embedding_bag.padding_idx\n")
+    assert "split the embedding dim" in printed
+    assert main(["ops", "special_i1"]) == 1
+    assert "no op matching 'special_i1' has a sharding rule: it runs replicated" in capsys.readouterr().out
+    assert main(["ops", "--markdown"]) == 0
+    markdown = capsys.readouterr().out
+    with open(os.path.join(ROOT, "docs", "ops.md")) as f:
+        assert f.read() == markdown, "docs/ops.md is stale: autopar ops --markdown > docs/ops.md"
+    assert f"{len(registered_ops())} ATen ops in " in markdown
+    assert "`lstm.input`" in markdown and "`cdist`" in markdown
+
+
 def test_dimension_no_axis_divides_is_warned():
     model = nn.Linear(5, 7)
     with pytest.warns(UserWarning, match=r"weight of shape \[7, 5\]: no dimension divides any mesh axis"):

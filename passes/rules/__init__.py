@@ -101,6 +101,16 @@ def registered_ops() -> list:
     return sorted(str(t) for t in _RULES)
 
 
+def rule_table() -> list:
+    """(module, rule function, its ops as plans name them), by module and rule name."""
+    from autopar.capture import op_label
+    by_fn: dict = {}
+    for target, rule in _RULES.items():
+        by_fn.setdefault(rule.fn, []).append(op_label(target))
+    rows = [(fn.__module__.rsplit(".", 1)[-1], fn, sorted(ops)) for fn, ops in by_fn.items()]
+    return sorted(rows, key=lambda r: (r[0], r[1].__name__))
+
+
 def _load():
     from autopar.passes.rules import (along, conv, distance, extra, matmul, misc, norm, pointwise,  # noqa: F401
                                       recurrent, reduction, view)

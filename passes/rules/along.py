@@ -55,7 +55,7 @@ def reduce_along_rule(info: OpInfo):
           aten.cummax.default, aten.cummin.default)
 def along_one_dim_rule(info: OpInfo):
     """sort/argsort (dim -1 by default), cumprod, logcumsumexp, cummax and
-    cummin along ``dim``."""
+    cummin along ``dim``: any other dim splits."""
     default = -1 if info.target in (aten.sort.default, aten.argsort.default) else None
     return other_dims_rows(info, _dims(info.arg(1, "dim", default), info.inputs[0].ndim))
 
@@ -139,6 +139,7 @@ def unfold_windows_rule(info: OpInfo):
 
 @register(aten.flip.default)
 def flip_rule(info: OpInfo):
+    """Reverses ``dims``: any other dim splits."""
     return other_dims_rows(info, _dims(info.arg(1, "dims"), info.inputs[0].ndim))
 
 

@@ -40,17 +40,23 @@ def conv_rows(info: OpInfo, transposed: bool, groups: int) -> list[Row]:
 @register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
           aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding, matmul=True)
 def conv_rule(info: OpInfo):
+    """convNd: the batch splits; with groups=1 also the output channels (with
+    the weight and bias) or the input channels (a Partial sum; conv_rows)."""
     # convNd(input, weight, bias=None, stride, padding, dilation, groups)
     return conv_rows(info, transposed=False, groups=info.arg(6, "groups", 1))
 
 
 @register(aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input, matmul=True)
 def conv_transpose_rule(info: OpInfo):
+    """conv_transposeNd: the batch, the output channels, or the input channels
+    (a Partial sum), as conv_rule."""
     # conv_transposeNd(input, weight, bias=None, stride, padding, output_padding, groups, dilation)
     return conv_rows(info, transposed=True, groups=info.arg(6, "groups", 1))
 
 
 @register(aten.convolution.default, matmul=True)
 def convolution_rule(info: OpInfo):
+    """aten.convolution, plain or transposed, as conv_rule and
+    conv_transpose_rule."""
     # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     return conv_rows(info, transposed=bool(info.arg(6, "transposed")), groups=info.arg(8, "groups"))

@@ -54,11 +54,14 @@ def _batch_letters(n: int) -> str:
 
 @register(aten.mm.default, matmul=True)
 def mm_rule(info: OpInfo):
+    """a @ b: the rows of a, the columns of b, or the contracted dim (Partial)."""
     return einsum_rows("MK,KN->MN", info)
 
 
 @register(aten.addmm.default, matmul=True)
 def addmm_rule(info: OpInfo):
+    """bias + a @ b: as mm, the bias split with the output (Partial where the
+    product is)."""
     # addmm(bias, a, b): the bias comes first in the args, the rows put it last.
     rows = einsum_rows("MK,KN->MN", _rotate(info), additive="MN"[-info.inputs[0].ndim:] if info.inputs[0].ndim else "")
     return [Row(r.output, (r.inputs[-1], *r.inputs[:-1])) for r in rows]
@@ -66,22 +69,28 @@ def addmm_rule(info: OpInfo):
 
 @register(aten.bmm.default, matmul=True)
 def bmm_rule(info: OpInfo):
+    """Batched a @ b: the batch, the rows of a, the columns of b, or the
+    contracted dim (Partial)."""
     return einsum_rows("BMK,BKN->BMN", info)
 
 
 @register(aten.baddbmm.default, matmul=True)
 def baddbmm_rule(info: OpInfo):
+    """input + a @ b over a batch: as bmm, the added input split with the
+    output."""
     rows = einsum_rows("BMK,BKN->BMN", _rotate(info), additive="BMN"[-info.inputs[0].ndim:])
     return [Row(r.output, (r.inputs[-1], *r.inputs[:-1])) for r in rows]
 
 
 @register(aten.dot.default, matmul=True)
 def dot_rule(info: OpInfo):
+    """Dot product of two vectors: split both, and the scalar is a Partial sum."""
     return einsum_rows("K,K->", info)
 
 
 @register(aten.mv.default, matmul=True)
 def mv_rule(info: OpInfo):
+    """Matrix times vector: the matrix's rows, or the contracted dim (Partial)."""
     return einsum_rows("MK,K->M", info)
 
 
@@ -93,6 +102,8 @@ def outer_rule(info: OpInfo):
 
 @register(aten.linear.default, matmul=True)
 def linear_rule(info: OpInfo):
+    """x @ W^T + b: the batch dims, the output features (W's rows and b), or
+    the input features (Partial)."""
     x = info.inputs[0]
     batch = _batch_letters(x.ndim - 1)
     eq = f"{batch}K,NK->{batch}N"
@@ -111,6 +122,8 @@ def bilinear_rule(info: OpInfo):
 
 @register(aten.matmul.default, matmul=True)
 def matmul_rule(info: OpInfo):
+    """torch.matmul with broadcast batch dims, as bmm; with a vector operand,
+    replicated."""
     a, b = info.inputs[0].ndim, info.inputs[1].ndim
     if a == 1 or b == 1:
         return [Row(R, (R, R))]

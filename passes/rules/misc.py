@@ -10,6 +10,9 @@ from autopar.passes.strategy import P, R, Row, S
 
 @register(aten.embedding.default)
 def embedding_rule(info: OpInfo):
+    """Lookup of rows of a table: the indices' dims split, or the embedding dim
+    (the table's columns), or the vocabulary (a masked lookup whose result
+    is a Partial sum, autopar/spmd.py)."""
     idx = info.inputs[1]
     rows = [Row(S(d), (R, S(d))) for d in range(idx.ndim) if idx.shape[d] > 1]
     rows.append(Row(S(idx.ndim), (S(1), R)))      # hidden dim split
@@ -115,11 +118,14 @@ RANDOM_FACTORIES = [
 
 @register(*FACTORIES, *RANDOM_FACTORIES)
 def factory_rule(info: OpInfo):
+    """A tensor made from sizes alone: the same replicated tensor on every
+    rank."""
     return [Row(R, ())]
 
 
 @register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
 def like_rule(info: OpInfo):
+    """zeros_like and kin: shaped as their input, so they split with it."""
     x = info.inputs[0]
     rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1]
     rows.append(Row(R, (R,)))

@@ -21,6 +21,8 @@ def keep_dims_rows(info: OpInfo, free_dims) -> list[Row]:
 
 @register(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(info: OpInfo):
+    """Layer and RMS norm over the trailing ``normalized_shape`` dims: the
+    leading dims split."""
     x = info.inputs[0]
     normalized = len(info.arg(1, "normalized_shape"))
     return keep_dims_rows(info, range(x.ndim - normalized))
@@ -28,6 +30,7 @@ def norm_rule(info: OpInfo):
 
 @register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def softmax_rule(info: OpInfo):
+    """Softmax and log-softmax along ``dim``: any other dim splits."""
     x = info.inputs[0]
     dim = info.arg(1, "dim") % x.ndim
     return keep_dims_rows(info, [d for d in range(x.ndim) if d != dim])

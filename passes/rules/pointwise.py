@@ -85,6 +85,8 @@ POINTWISE += [
 
 @register(*POINTWISE)
 def pointwise_rule(info: OpInfo):
+    """Element-wise ops: any output dim splits, with every input that has it at
+    full size."""
     return broadcast_rows(info)
 
 
@@ -114,6 +116,9 @@ def dropout_variant_rule(info: OpInfo):
 
 @register(*LINEAR, *CONVERSIONS)
 def linear_pointwise_rule(info: OpInfo):
+    """Element-wise ops linear in their inputs (add, sub, clone, conversions
+    between float types, dropout at p = 0): they split like any element-wise
+    op and also carry a Partial sum through."""
     rows = broadcast_rows(info)
     if info.target is aten.dropout.default and info.arg(1, "p", 0.0) > 0 and info.arg(2, "train", True):
         return rows  # a random mask is not linear across partial summands
@@ -129,6 +134,8 @@ def linear_pointwise_rule(info: OpInfo):
 
 @register(*SCALING)
 def scaling_rule(info: OpInfo):
+    """mul and div: element-wise, and a Partial sum times or over a replicated
+    factor stays Partial."""
     rows = broadcast_rows(info)
     if len(info.inputs) == 1:
         rows.append(Row(P, (P,)))

@@ -40,6 +40,9 @@ def reduction_rows(info: OpInfo, dims, keepdim: bool, op: str) -> list[Row]:
 
 @register(*_PARTIAL)
 def reduction_rule(info: OpInfo):
+    """sum, mean, nansum, count_nonzero, amax, amin over dims: a kept dim
+    splits; a reduced dim splits into a Partial sum (a mean into local means
+    summed over n), except for amax/amin."""
     if info.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = None, False
     elif info.target in (aten.count_nonzero.dim_IntList, aten.count_nonzero.default):

@@ -44,6 +44,8 @@ def reshape_map(src, dst) -> dict[int, int]:
           aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims,
           aten.unsqueeze.default)
 def reshape_rule(info: OpInfo):
+    """view/reshape/flatten/unflatten/squeeze/unsqueeze: a dim splits when it
+    maps to an output dim whose leading factor it is (reshape_map)."""
     # No Partial row: DTensor runs a reshape of a non-contiguous Partial as a
     # copy that it reshards first (observed on torch 2.13).
     return map_rows(info, reshape_map(info.inputs[0].shape, info.out.shape), partial_ok=False)
@@ -51,6 +53,7 @@ def reshape_rule(info: OpInfo):
 
 @register(aten.transpose.int)
 def transpose_rule(info: OpInfo):
+    """Swaps ``dim0`` and ``dim1``: a dim splits and moves with the swap."""
     nd = info.inputs[0].ndim
     a, b = info.arg(1, "dim0") % nd, info.arg(2, "dim1") % nd
     perm = list(range(nd)); perm[a], perm[b] = perm[b], perm[a]
@@ -59,6 +62,7 @@ def transpose_rule(info: OpInfo):
 
 @register(aten.t.default)
 def t_rule(info: OpInfo):
+    """Transpose of a matrix: a dim splits and moves to the other place."""
     nd = info.inputs[0].ndim
     return map_rows(info, {0: nd - 1, nd - 1: 0} if nd == 2 else {0: 0})
 
@@ -72,6 +76,7 @@ def numpy_t_rule(info: OpInfo):
 
 @register(aten.permute.default)
 def permute_rule(info: OpInfo):
+    """A dim splits and moves to where the permutation puts it."""
     nd = info.inputs[0].ndim
     perm = [d % nd for d in info.arg(1, "dims")]
     return map_rows(info, {perm[o]: o for o in range(nd)})
@@ -79,6 +84,8 @@ def permute_rule(info: OpInfo):
 
 @register(aten.expand.default)
 def expand_rule(info: OpInfo):
+    """Broadcast to a larger shape: a dim that keeps its size splits in its new
+    place."""
     x, out = info.inputs[0].shape, info.out.shape
     lead = len(out) - len(x)
     return map_rows(info, {i: i + lead for i in range(len(x)) if x[i] == out[i + lead]}, partial_ok=False)
@@ -102,6 +109,7 @@ def other_dims_rows(info: OpInfo, dims, n_in: int = 1, drop: bool = False) -> li
 @register(aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
           aten.narrow.default)
 def slice_rule(info: OpInfo):
+    """slice/split/chunk/narrow along ``dim``: any other dim splits."""
     nd = info.inputs[0].ndim
     default = 0
     dim = info.arg(2, "dim", default) if info.target is not aten.slice.Tensor else info.arg(1, "dim", 0)
@@ -112,6 +120,8 @@ def slice_rule(info: OpInfo):
 
 @register(aten.select.int, aten.unbind.int)
 def select_rule(info: OpInfo):
+    """select/unbind along ``dim``: any other dim splits (one place lower
+    behind ``dim``)."""
     nd = info.inputs[0].ndim
     return other_dims_rows(info, info.arg(1, "dim", 0) % nd, 1, drop=True)
 
@@ -130,12 +140,14 @@ def diagonal_rule(info: OpInfo):
 
 @register(aten.cat.default)
 def cat_rule(info: OpInfo):
+    """Concatenation along ``dim``: any other dim splits, every input with it."""
     nd = info.out.ndim
     return other_dims_rows(info, info.arg(1, "dim", 0) % nd, len(info.inputs))
 
 
 @register(aten.stack.default)
 def stack_rule(info: OpInfo):
+    """Stacking along a new ``dim``: any input dim splits, every input with it."""
     nd = info.out.ndim
     dim = info.arg(1, "dim", 0) % nd
     x = info.inputs[0]
