@@ -58,6 +58,25 @@ def _full_grad(p, placements, mesh):
     return DTensor.from_local(p.grad, mesh, placements, run_check=False).full_tensor()
 
 
+def random_draws(graph) -> list[str]:
+    """The ops of a captured model that draw random numbers when it trains
+    (dropout with p > 0, noise drawn in forward, ...), as "op at location"."""
+    from autopar.capture import NodeKind
+    from autopar.passes.rules.misc import RANDOM_FACTORIES
+    from autopar.spmd import RANDOM_OPS, _draws
+    return [f"{n.op_name} at {n.fqn or 'the top level'}" for n in graph.nodes.values()
+            if n.kind is NodeKind.OP and n.info is not None and (n.target in RANDOM_OPS or n.target in RANDOM_FACTORIES)
+            and _draws(n.target, n.info.args, n.info.kwargs)]
+
+
+def random_note(draws: list[str]) -> str:
+    """Why a model that draws random numbers cannot agree with one device bit for bit."""
+    shown = ", ".join(draws[:4]) + (f" and {len(draws) - 4} more" if len(draws) > 4 else "")
+    return (f"note: the model draws random numbers ({shown}); the parallel program draws them per shard from "
+            "the step's seed (like one device statistically, not bit for bit), so it cannot agree with one "
+            "device: check it with the draws off (dropout p=0, noise outside the model)")
+
+
 def _or_zeros(grad, like):
     return torch.zeros_like(like) if grad is None else grad
 
@@ -76,6 +95,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
         plan = agreed_plan(lambda: compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
                                                 source=source, **compile_options))
     graph = capture(model, inputs, loss_fn)
+    draws = random_draws(graph)
     program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
     pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh,
                             local_inputs=local_inputs)
@@ -87,7 +107,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
                            for x, i in zip(inputs, plan.inputs))
     opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    report = {"loss": [], "grad": 0.0}
+    report = {"loss": [], "grad": 0.0, "random_draws": draws}
     ref_params = dict(reference.named_parameters())
     for step in range(steps):
         loss = _scalar(pmodel(*run_inputs))
@@ -178,6 +198,9 @@ def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> 
         for r in reports:
             print(line(r))
         print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {tol:g})")
+        draws = list(dict.fromkeys(d for r in reports for d in r.get("random_draws", [])))
+        if draws and not ok:
+            print(random_note(draws))
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(reports, f, indent=1)

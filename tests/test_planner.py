@@ -321,6 +321,29 @@ def test_ops_lists_the_rules_and_docs_ops_md_is_its_output(capsys):
     assert "`lstm.input`" in markdown and "`cdist`" in markdown
 
 
+def test_verify_names_the_random_draws_that_keep_it_from_agreeing():
+    """A model that draws random numbers in training cannot match one device
+    bit for bit; `autopar verify` says which ops draw when it disagrees."""
+    from autopar.capture import capture
+    from autopar.verify import random_draws, random_note
+    from gpt import GPT, GPTConfig, lm_loss
+    idx = torch.randint(0, 64, (2, 8))
+    cfg = dict(vocab=64, seq=8, hidden=16, heads=2, layers=2)
+    assert random_draws(capture(GPT(GPTConfig(**cfg)), (idx, idx), lm_loss)) == []
+    draws = random_draws(capture(GPT(GPTConfig(**cfg, dropout=0.3)), (idx, idx), lm_loss))
+    assert draws == ["dropout at blocks.0.drop"] * 2 + ["dropout at blocks.1.drop"] * 2
+
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return (x + torch.randn(x.shape)).sum()
+
+    assert random_draws(capture(Noisy(), (torch.zeros(4, 3),))) == ["randn at the top level"]
+    note = random_note(draws + ["randn at the top level"])
+    assert note.startswith("note: the model draws random numbers (dropout at blocks.0.drop, ")
+    assert "dropout at blocks.1.drop and 1 more)" in note
+    assert "check it with the draws off (dropout p=0" in note
+
+
 def test_dimension_no_axis_divides_is_warned():
     model = nn.Linear(5, 7)
     with pytest.warns(UserWarning, match=r"weight of shape \[7, 5\]: no dimension divides any mesh axis"):
