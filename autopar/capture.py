@@ -133,8 +133,15 @@ class _NoLoss(nn.Module):
 
 def _meta(v) -> TensorMeta | None:
     if isinstance(v, torch.Tensor):
+        if any(isinstance(s, torch.SymInt) and not s.node.has_hint() for s in v.shape):
+            raise _DataDependentShape(tuple(str(s) for s in v.shape))
         return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
     return None
+
+
+class _DataDependentShape(Exception):
+    """A tensor whose size torch.export could only name symbolically (u0):
+    it depends on the values of another tensor."""
 
 
 def _module_path(node: fx.Node) -> str:
@@ -250,7 +257,15 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         elif n.op == "call_function" and n.target in ASSERTIONS:
             continue  # checks of metadata export adds (e.g. for .to()); nothing to shard or run
         elif n.op == "call_function":
-            nodes[n.name] = _op_node(n, nodes)
+            try:
+                nodes[n.name] = _op_node(n, nodes)
+            except _DataDependentShape as e:
+                shape = "(" + ", ".join(e.args[0]) + ")"
+                raise AutoparError(
+                    f"{op_label(n.target)} at {_module_path(n) or 'the top level'} (node {n.name}) makes a tensor "
+                    f"of shape {shape}, a size that depends on the values of its input (masked_select, nonzero, "
+                    "boolean-mask indexing, unique); autopar plans tensors of fixed shapes: write it with a "
+                    "fixed-shape op (torch.where, masked_fill, multiplying by the mask)") from None
             nodes[n.name].state_update = updates_state(n, node_kinds)
         elif n.op == "output":
             flat = []

@@ -662,7 +662,7 @@ def test_no_grad_regions_are_inlined_behind_detach():
     assert teacher[0].name not in needs_grad(graph)
 
 
-def test_parameter_overwritten_in_forward_and_autocast_are_refused_by_name():
+def test_parameter_overwritten_in_forward_autocast_and_data_dependent_shapes_are_refused_by_name():
     from autopar.errors import AutoparError
 
     class Clamps(nn.Module):
@@ -689,6 +689,15 @@ def test_parameter_overwritten_in_forward_and_autocast_are_refused_by_name():
     with pytest.raises(AutoparError, match=r"runs a subgraph \(submod_1\) through wrap_with_autocast.*"
                                            r"precision='bf16'"):
         autopar.compile(Autocasts(), inputs, **kw)
+
+    class Selects(Clamps):  # a tensor whose size depends on values: no fixed shape to plan
+        def forward(self, x):
+            return self.fc(x).masked_select(x > 0).sum() * torch.ones_like(x)
+
+    with pytest.raises(AutoparError, match=r"masked_select at the top level \(node masked_select\) makes a tensor of "
+                                           r"shape \(u0\), a size that depends on the values of its input.*"
+                                           r"write it with a fixed-shape op \(torch\.where"):
+        autopar.compile(Selects(), inputs, **kw)
 
 
 def test_a_plan_runs_only_in_the_mode_it_was_compiled_in():
