@@ -213,15 +213,47 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+def _inline_scalar_constants(ep) -> set:
+    """Scalars torch.export lifts out of forward as constant tensors (the 0.0
+    of ``x[:, 0] = 0.0``) become ``scalar_tensor`` factories in the graph
+    (replicated, as every rank makes the same); their placeholders and the
+    ``lift_fresh_copy`` that copied them go. Returns the placeholders removed."""
+    gm, removed = ep.graph_module, set()
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    body = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for spec in ep.graph_signature.input_specs:
+        value = ep.constants.get(spec.target) if spec.kind.name == "CONSTANT_TENSOR" else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            continue
+        ph = placeholders[spec.arg.name]
+        with gm.graph.inserting_before(body):
+            scalar = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
+                                            {"dtype": value.dtype})
+        scalar.meta = dict(ph.meta)
+        for user in list(ph.users):
+            if user.target is torch.ops.aten.lift_fresh_copy.default:
+                user.replace_all_uses_with(scalar)
+                gm.graph.erase_node(user)
+        ph.replace_all_uses_with(scalar)
+        gm.graph.erase_node(ph)
+        removed.add(spec.arg.name)
+    if removed:
+        gm.recompile()
+    return removed
+
+
 def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
     gm = ep.graph_module
     sig = ep.graph_signature
     kinds = {}
     params, buffers = {}, {}
     user_index = 0
+    inlined = _inline_scalar_constants(ep)
     for spec in sig.input_specs:
         name = spec.arg.name
         k = spec.kind.name
+        if name in inlined:
+            continue
         if k == "PARAMETER":
             kinds[name] = (NodeKind.PARAM, _strip(spec.target), -1)
             params[_strip(spec.target)] = name
@@ -230,8 +262,9 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             buffers[_strip(spec.target)] = name
         elif k == "CONSTANT_TENSOR":
             raise AutoparError(
-                f"the model creates a constant tensor in forward ({spec.target}); autopar needs it as a "
-                "registered buffer (self.register_buffer(...)) so that every rank can place it"
+                f"the model creates a constant tensor in forward ({spec.target}, e.g. a torch.tensor([...]) "
+                "literal); autopar needs it as a registered buffer (self.register_buffer(...)) so that every "
+                "rank can place it"
             )
         elif k == "USER_INPUT":
             kinds[name] = (NodeKind.INPUT, f"input[{user_index}]", user_index)
@@ -400,6 +433,9 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
         if functional is None:
             raise AutoparError(f"in-place op {n.target} at {where} has no out-of-place form autopar can run "
                                "instead: write the model with the out-of-place op")
+        if _scatter_back(gm, n, functional, order, read_after):
+            changed = True
+            continue
         chain, src = n, n.args[0]
         while True:  # the overwritten tensor, then up through views to their bases
             readers = read_after(src, n, chain)
@@ -412,10 +448,88 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
             if not _returns_view(src):
                 break
             chain, src = src, src.args[0]
-        n.target = functional
+        _run_out_of_place(gm, n, functional)
         changed = True
     if changed:
         gm.recompile()
+
+
+def _run_out_of_place(gm: fx.GraphModule, n: fx.Node, functional) -> None:
+    """Make in-place ``n`` its out-of-place form. ``dst.copy_(src)``'s,
+    aten.copy, has no derivative: it becomes src (in dst's dtype) expanded
+    to dst's shape, which is what the copy holds."""
+    if functional is not torch.ops.aten.copy.default:
+        n.target = functional
+        return
+    dst, src = n.args[0], n.args[1]
+    if isinstance(src, fx.Node) and src.meta["val"].dtype != dst.meta["val"].dtype:
+        with gm.graph.inserting_before(n):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": dst.meta["val"].dtype})
+        with src.meta["val"].fake_mode:
+            cast.meta = {**src.meta, "val": src.meta["val"].to(dst.meta["val"].dtype)}
+        src = cast
+    n.target, n.args, n.kwargs = torch.ops.aten.expand_as.default, (src, dst), {}
+
+
+_SCATTERS = {torch.ops.aten.select.int: torch.ops.aten.select_scatter.default,
+             torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default}
+"""The out-of-place write-back of each view an assignment may go through."""
+
+
+def _scatter_back(gm: fx.GraphModule, n: fx.Node, functional, order: dict, read_after) -> bool:
+    """``x[:, 0] = v`` and ``x[1:3] += y``: an in-place op on a chain of
+    select/slice views of an activation that is read afterwards. Runs the op
+    out of place on the view and writes the result back through each view
+    (select_scatter, slice_scatter), and the readers after it read the
+    written-back tensor, as functionalization does. False (nothing changed)
+    where the pattern does not hold: no such view, a base that is not an
+    op's result, or a view read again afterwards."""
+    chain, v = [], n.args[0]
+    while isinstance(v, fx.Node) and v.op == "call_function" and v.target in _SCATTERS:
+        chain.append(v)
+        v = v.args[0]
+    base = v
+    if not chain or not isinstance(base, fx.Node) or base.op != "call_function" or _returns_view(base):
+        return False
+    below = [n] + chain[:-1]  # each view's consumer along the chain
+    if any(read_after(view, n, child) for view, child in zip(chain, below)) or not read_after(base, n, chain[-1]):
+        return False
+    other_views = [u for u in base.users if u is not chain[-1] and _returns_view(u) and order[u] < order[n]]
+    if any(read_after(u, n, None) for u in other_views):
+        return False  # a view taken before the write, read after it: refused below
+    # The op's result aliases the base no more once it runs out of place: a
+    # reader of it after a later in-place op would miss that op's write.
+    writes = [m for m in gm.graph.nodes if order.get(m, -1) > order[n] and m.op == "call_function"
+              and writes_first_input(m.target)]
+    stale = [u for u in _readers(n) if writes and order.get(u, -1) > order[writes[0]]]
+    if stale:
+        raise AutoparError(
+            f"in-place op {n.target} at {_module_path(n) or 'the top level'} writes through a view of {base.name}, "
+            f"and {', '.join(u.name for u in stale)} read its result after {writes[0].name} writes in place again; "
+            "autopar runs such writes out of place and cannot keep their results aliased: read the tensor "
+            "again after the last write (or write the model without in-place ops)")
+    later = [u for u in base.users if order[u] > order[n]]
+    _run_out_of_place(gm, n, functional)
+    current, anchor = n, n
+    for view in chain:
+        with gm.graph.inserting_after(anchor):
+            current = gm.graph.call_function(_SCATTERS[view.target], (view.args[0], current, *view.args[1:]))
+        current.meta = {**view.args[0].meta, "nn_module_stack": n.meta.get("nn_module_stack", {})}
+        anchor = current
+    for u in later:
+        u.replace_input_with(base, current)
+    order.update({m: k for k, m in enumerate(gm.graph.nodes)})
+    return True
+
+
+def _readers(t: fx.Node) -> list:
+    """The nodes that read ``t``, directly or through views of it."""
+    out = []
+    for u in t.users:
+        out.append(u)
+        if _returns_view(u):
+            out += _readers(u)
+    return out
 
 
 def _op_node(n: fx.Node, nodes: dict) -> Node:

@@ -492,6 +492,11 @@ SAMPLES = [
     call(aten.linalg_solve.default, x(4, 3, 3) + 3 * torch.eye(3, dtype=torch.float64), x(4, 3, 2, seed=1)),
     call(aten.linalg_solve.default, x(4, 3, 3) + 3 * torch.eye(3, dtype=torch.float64), x(4, 3, seed=1),
          name="vector"),
+    # assignments run out of place (x[:, 0] = v; x[1:3] += y)
+    call(aten.fill.Tensor, X, torch.tensor(0.5, dtype=torch.float64)),
+    call(aten.select_scatter.default, X, x(4, 12, seed=1), 1, 3),
+    call(aten.slice_scatter.default, X, x(4, 8, 4, seed=1), 2, 2, 6),
+    call(aten.slice_scatter.default, X, x(4, 4, 12, seed=1), 1, 0, 8, 2, name="step"),
     # writes at positions, buckets, grids, x.T
     call(aten.index_put.default, X, [idx(3, high=4)], x(3, 8, 12, seed=1)),
     call(aten.index_put.default, X, [None, idx(5, high=8)], x(12, seed=1), True, name="broadcast_accumulate"),

@@ -106,6 +106,20 @@ def other_dims_rows(info: OpInfo, dims, n_in: int = 1, drop: bool = False) -> li
     return rows
 
 
+@register(aten.select_scatter.default, aten.slice_scatter.default)
+def scatter_back_rule(info: OpInfo):
+    """x with one index (select_scatter) or a slice (slice_scatter) of ``dim``
+    replaced by src, as an assignment ``x[:, i] = v`` runs out of place: any
+    other dim splits, x and src with it; linear in both, so Partial x and
+    src give a Partial result."""
+    x = info.inputs[0]
+    dim = info.arg(2, "dim", 0) % x.ndim
+    drop = info.target is aten.select_scatter.default
+    rows = [Row(S(d), (S(d), S(d - 1 if drop and d > dim else d))) for d in range(x.ndim)
+            if d != dim and x.shape[d] > 1]
+    return rows + [Row(P, (P, P)), Row(R, (R, R))]
+
+
 @register(aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
           aten.narrow.default)
 def slice_rule(info: OpInfo):
