@@ -199,6 +199,7 @@ VIEW_OPS = {
     _aten.transpose.int, _aten.permute.default, _aten.t.default, _aten.alias.default, _aten.detach.default,
     _aten.slice.Tensor, _aten.select.int, _aten.narrow.default, _aten.split.Tensor,
     _aten.split_with_sizes.default, _aten.chunk.default, _aten.unbind.int, operator.getitem,
+    _aten.view_as_complex.default, _aten.view_as_real.default,
 }
 """Ops whose output shares its input's storage: they hold no memory of their own."""
 

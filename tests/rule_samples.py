@@ -497,6 +497,9 @@ SAMPLES = [
     call(aten.select_scatter.default, X, x(4, 12, seed=1), 1, 3),
     call(aten.slice_scatter.default, X, x(4, 8, 4, seed=1), 2, 2, 6),
     call(aten.slice_scatter.default, X, x(4, 4, 12, seed=1), 1, 0, 8, 2, name="step"),
+    # complex views (rotary embeddings written with complex numbers)
+    call(aten.view_as_complex.default, x(4, 8, 6, 2)),
+    call(aten.view_as_real.default, torch.view_as_complex(x(4, 8, 6, 2))),
     # writes at positions, buckets, grids, x.T
     call(aten.index_put.default, X, [idx(3, high=4)], x(3, 8, 12, seed=1)),
     call(aten.index_put.default, X, [None, idx(5, high=8)], x(12, seed=1), True, name="broadcast_accumulate"),

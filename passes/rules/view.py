@@ -67,6 +67,16 @@ def t_rule(info: OpInfo):
     return map_rows(info, {0: nd - 1, nd - 1: 0} if nd == 2 else {0: 0})
 
 
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_view_rule(info: OpInfo):
+    """view_as_complex pairs the last dim (size 2) into one complex number,
+    view_as_real splits each back into a last dim of 2: every other dim
+    keeps its place and splits."""
+    x = info.inputs[0]
+    last = x.ndim - 1 if info.target is aten.view_as_complex.default else x.ndim
+    return [Row(S(d), (S(d),)) for d in range(min(last, x.ndim)) if x.shape[d] > 1] + [Row(R, (R,))]
+
+
 @register(aten.numpy_T.default)
 def numpy_t_rule(info: OpInfo):
     """x.T: every dim reversed."""
