@@ -429,7 +429,7 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
                 "autopar shards parameters and cannot update them in the step: apply such an update outside "
                 "the forward (e.g. after optimizer.step())")
         packet = getattr(torch.ops.aten, n.target._overloadpacket.__name__.rstrip("_"), None)
-        functional = getattr(packet, n.target._overloadname, None)
+        functional = _FUNCTIONAL.get(n.target) or getattr(packet, n.target._overloadname, None)
         if functional is None:
             raise AutoparError(f"in-place op {n.target} at {where} has no out-of-place form autopar can run "
                                "instead: write the model with the out-of-place op")
@@ -452,6 +452,12 @@ def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+_FUNCTIONAL = {torch.ops.aten.bernoulli_.float: torch.ops.aten.bernoulli.p,
+               torch.ops.aten.normal_.default: torch.ops.aten.normal_functional.default}
+"""In-place ops whose out-of-place form is not named after them (timm's
+DropPath draws its mask with ``x.new_empty(...).bernoulli_(keep)``)."""
 
 
 def _run_out_of_place(gm: fx.GraphModule, n: fx.Node, functional) -> None:

@@ -633,7 +633,9 @@ _DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.defau
              torch.ops.aten.feature_alpha_dropout.default}
 RANDOM_OPS = {*_DROPOUTS, torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.bernoulli.default,
               torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
-              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype, torch.ops.aten.rrelu.default}
+              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype, torch.ops.aten.rrelu.default,
+              torch.ops.aten.bernoulli.Tensor, torch.ops.aten.uniform.default, torch.ops.aten.normal_functional.default,
+              torch.ops.aten.exponential.default}
 
 LOCAL_IMPLS = {
     torch.ops.aten.embedding.default: _embedding,

@@ -549,6 +549,17 @@ SAMPLES = [
     call(aten.special_psi.default, x(4, 8, 12, positive=True)),
     call(aten.special_sinc.default, X),
     call(aten.special_xlog1py.default, X, x(4, 8, 12, seed=1, positive=True)),
+    # random tensors in an input's shape (their draws: test_random_ops_draw_per_shard_and_alike_per_replica)
+    call(aten.rand_like.default, X, values=False),
+    call(aten.randn_like.default, X, values=False),
+    call(aten.randint_like.default, X, 10, values=False, frozen=(0,)),
+    call(aten.randint_like.low_dtype, X, 2, 10, values=False, frozen=(0,)),
+    call(aten.bernoulli.default, torch.sigmoid(X), values=False, frozen=(0,)),
+    call(aten.bernoulli.p, X, 0.3, values=False, frozen=(0,)),
+    call(aten.bernoulli.Tensor, X, torch.sigmoid(x(12, seed=1)), values=False, frozen=(0, 1)),
+    call(aten.uniform.default, X, -1.0, 1.0, values=False),
+    call(aten.normal_functional.default, X, values=False, frozen=(0,)),
+    call(aten.exponential.default, X, values=False),
     # special functions, activations and dropout variants
     call(aten.digamma.default, x(4, 8, 12, positive=True)),
     call(aten.lgamma.default, x(4, 8, 12, positive=True)),

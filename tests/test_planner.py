@@ -338,6 +338,14 @@ def test_verify_names_the_random_draws_that_keep_it_from_agreeing():
             return (x + torch.randn(x.shape)).sum()
 
     assert random_draws(capture(Noisy(), (torch.zeros(4, 3),))) == ["randn at the top level"]
+
+    class DropPath(nn.Module):  # timm's stochastic depth: an in-place bernoulli_ on a fresh tensor
+        def forward(self, x):
+            mask = x.new_empty((x.shape[0], 1)).bernoulli_(0.9).div_(0.9)
+            return (x * mask).sum()
+
+    assert random_draws(capture(DropPath(), (torch.zeros(4, 3),))) == ["bernoulli.p at the top level"]
+    assert autopar.compile(DropPath(), (torch.zeros(4, 3),), mesh=2, cluster="dgx-a100").fallbacks == []
     note = random_note(draws + ["randn at the top level"])
     assert note.startswith("note: the model draws random numbers (dropout at blocks.0.drop, ")
     assert "dropout at blocks.1.drop and 1 more)" in note

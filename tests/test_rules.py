@@ -304,7 +304,11 @@ class _Placed:
 
 # Local implementations that read the rank's coordinate as a Python int, which
 # LocalTensorMode cannot simulate: checked rank by rank instead.
-RANK_BY_RANK = {aten.embedding.default}
+RANK_BY_RANK = {aten.embedding.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+                aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
+                aten.uniform.default, aten.normal_functional.default, aten.exponential.default}
+"""Ops whose local implementation uses the rank's coordinate (the masked
+lookup; the random ops, which seed each shard's draw by it)."""
 
 
 def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
@@ -328,8 +332,13 @@ def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
         outs[r] = spmd.LOCAL_IMPLS[sample.target](sample.target, _RankMesh(c, mesh_shape), strategy.output,
                                                   a, kw, dargs)
     out_spec = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
-    full = assemble(outs, out_spec, mesh_shape)
+    try:
+        full = assemble(outs, out_spec, mesh_shape)  # replicas must agree
+    except AssertionError as e:
+        return [f"output: {e}"]
     ref = sample.target(*sample.args, **sample.kwargs)
+    if not sample.values:  # random draws: the shape, and replicas alike
+        return [] if full.shape == ref.shape else [f"output: shape {tuple(full.shape)}, expected {tuple(ref.shape)}"]
     if not _close(full, ref):
         return [f"output: values differ from the single-device op (max abs error {(full - ref).abs().max().item()})"]
     return []

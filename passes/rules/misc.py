@@ -123,9 +123,14 @@ def factory_rule(info: OpInfo):
     return [Row(R, ())]
 
 
-@register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
+@register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+          aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
+          aten.bernoulli.default, aten.bernoulli.p, aten.uniform.default, aten.normal_functional.default,
+          aten.exponential.default)
 def like_rule(info: OpInfo):
-    """zeros_like and kin: shaped as their input, so they split with it."""
+    """zeros_like and kin, and random tensors drawn in their input's shape
+    (rand_like, bernoulli, uniform_, ...; each shard draws its own,
+    autopar/spmd.py): shaped as their input, so they split with it."""
     x = info.inputs[0]
     rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1]
     rows.append(Row(R, (R,)))
