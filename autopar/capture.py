@@ -228,7 +228,7 @@ def _inline_scalar_constants(ep) -> set:
         ph = placeholders[spec.arg.name]
         with gm.graph.inserting_before(body):
             scalar = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
-                                            {"dtype": value.dtype})
+                                            {"dtype": value.dtype, "device": value.device})  # the rank's, at run time
         scalar.meta = dict(ph.meta)
         for user in list(ph.users):
             if user.target is torch.ops.aten.lift_fresh_copy.default:
