@@ -71,9 +71,10 @@ CONVERSIONS = [aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.
 # More of them: bit operators, predicates, and torch.special's functions (some
 # are aliases that torch.export keeps by their own name). Alphabetical.
 POINTWISE += [
-    aten.__and__.Tensor, aten.__lshift__.Scalar, aten.bernoulli.Tensor, aten.__or__.Tensor, aten.__rshift__.Scalar, aten.__xor__.Tensor,
-    aten.bitwise_xor.Tensor, aten.deg2rad.default, aten.fill.Tensor, aten.float_power.Scalar, aten.float_power.Tensor_Scalar,
-    aten.float_power.Tensor_Tensor, aten.heaviside.default, aten.i0.default, aten.isclose.default,
+    aten.__and__.Tensor, aten.__lshift__.Scalar, aten.__or__.Tensor, aten.__rshift__.Scalar, aten.__xor__.Tensor,
+    aten.bernoulli.Tensor, aten.bitwise_xor.Tensor, aten.deg2rad.default, aten.fill.Tensor, aten.float_power.Scalar,
+    aten.float_power.Tensor_Scalar, aten.float_power.Tensor_Tensor, aten.heaviside.default, aten.i0.default,
+    aten.isclose.default,
     aten.isfinite.default, aten.isneginf.default, aten.isposinf.default, aten.logaddexp.default,
     aten.logaddexp2.default, aten.rad2deg.default, aten.relu6.default, aten.signbit.default,
     aten.sinc.default, aten.special_digamma.default, aten.special_entr.default, aten.special_erfc.default,
