@@ -396,6 +396,8 @@ SAMPLES = [
     call(aten.scatter.src, torch.zeros(4, 8, 12, dtype=torch.float64), 2, idx(4, 8, 5, high=12),
        x(4, 8, 5, seed=1)),
     call(aten.scatter_add.default, X, 1, idx(4, 8, 12, high=8), Y),
+    call(aten.scatter_reduce.two, X, 1, idx(4, 8, 12, high=8), Y, "amax"),
+    call(aten.scatter_reduce.two, X, 1, idx(4, 8, 12, high=8), Y, "mean", include_self=False, name="mean"),
     call(aten.selu.default, X),
     call(aten.sigmoid.default, X),
     call(aten.sign.default, X),

@@ -217,17 +217,18 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     outer, scatter of a value); a recommender (EmbeddingBag); a siamese metric
     model (FFT, PReLU, GLU, bilinear, cdist, triplet and cosine losses); an
     editor (assignments into activations, run as scatters); rotary embeddings
-    as complex products;
+    as complex products; graph message passing (scatter_reduce, index_add);
     tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major and
     batch-first (a placement per output): the solved plan and a random plan
     each, on a 2x2 mesh, train like one device (one launch;
     tests/test_rules.py checks every row of their rules)."""
     sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter", "tests/fixtures/opzoo.py:upscaler",
                "tests/fixtures/opzoo.py:recommender", "tests/fixtures/opzoo.py:siamese",
-               "tests/fixtures/opzoo.py:editor", "tests/fixtures/opzoo.py:rotary", "tests/fixtures/recurrent.py:tagger",
+               "tests/fixtures/opzoo.py:editor", "tests/fixtures/opzoo.py:rotary",
+               "tests/fixtures/opzoo.py:message_passing", "tests/fixtures/recurrent.py:tagger",
                "tests/fixtures/recurrent.py:batch_first"]
     reports = verify(sources, "2x2", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 18
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 20
     assert_agrees(reports)
 
 

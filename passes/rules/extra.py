@@ -383,9 +383,11 @@ def gather_rule(info: OpInfo):
     return _aligned_rows(info, info.arg(1, "dim") % x.ndim, 2)
 
 
-@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two)
 def scatter_rule(info: OpInfo):
-    """scatter(self, dim, index, src or value): the scattered dim stays whole."""
+    """scatter(self, dim, index, src or value), scatter_add and scatter_reduce
+    (sum, prod, mean, amax, amin: a GNN's aggregation): the scattered dim
+    stays whole; the others split, self, index and src alike."""
     x = info.inputs[0]
     return _aligned_rows(info, info.arg(1, "dim") % x.ndim, len(info.inputs))
 
