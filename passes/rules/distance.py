@@ -6,10 +6,9 @@ from torch.distributed.tensor import Partial
 from torch.ops import aten
 
 from autopar.passes.rules import OpInfo, register
+from autopar.passes.rules.misc import REDUCTION
 from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import R, Row, S
-
-_REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum
 
 
 def _same_shapes(info: OpInfo) -> bool:
@@ -60,7 +59,7 @@ def row_loss_rule(info: OpInfo):
     local ones."""
     vectors = [m for m in info.inputs if m.ndim == info.inputs[0].ndim]
     x = info.inputs[0]
-    reduction = _REDUCTION[info.arg(_ROW_LOSS_REDUCTION_ARG[info.target], "reduction", 1)]
+    reduction = REDUCTION[info.arg(_ROW_LOSS_REDUCTION_ARG[info.target], "reduction", 1)]
     n_in = len(info.inputs)
     rows = [Row(R, (R,) * n_in)]
     if any(m.shape != x.shape for m in vectors) or any(m.shape != x.shape[:-1] for m in info.inputs

@@ -57,7 +57,7 @@ def sdpa_rule(info: OpInfo):
     return rows
 
 
-_REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum
+REDUCTION = {0: None, 1: "avg", 2: "sum"}  # torch's Reduction enum: none, mean, sum
 
 
 @register(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
@@ -68,7 +68,7 @@ def cross_entropy_rule(info: OpInfo):
     loss sum / global count); the runtime all-reduces the count
     (autopar/spmd.py, _mean_loss)."""
     x = info.inputs[0]
-    reduction = _REDUCTION[info.arg(3, "reduction", 1)]
+    reduction = REDUCTION[info.arg(3, "reduction", 1)]
     n_in = len(info.inputs)
     rows = [Row(R, (R,) * n_in)]
     if x.ndim >= 2 and x.shape[0] > 1 and n_in == 2:
@@ -92,7 +92,7 @@ def elementwise_loss_rule(info: OpInfo):
     mean or sum is a Partial of the local ones (a broadcast weight or
     pos_weight: replicated only)."""
     x = info.inputs[0]
-    reduction = _REDUCTION[info.arg(_LOSS_REDUCTION_ARG[info.target], "reduction", 1)]
+    reduction = REDUCTION[info.arg(_LOSS_REDUCTION_ARG[info.target], "reduction", 1)]
     n_in = len(info.inputs)
     rows = [Row(R, (R,) * n_in)]
     if all(t.shape == x.shape for t in info.inputs):

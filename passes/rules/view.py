@@ -73,8 +73,7 @@ def complex_view_rule(info: OpInfo):
     view_as_real splits each back into a last dim of 2: every other dim
     keeps its place and splits."""
     x = info.inputs[0]
-    last = x.ndim - 1 if info.target is aten.view_as_complex.default else x.ndim
-    return [Row(S(d), (S(d),)) for d in range(min(last, x.ndim)) if x.shape[d] > 1] + [Row(R, (R,))]
+    return other_dims_rows(info, [x.ndim - 1] if info.target is aten.view_as_complex.default else [])
 
 
 @register(aten.numpy_T.default)
