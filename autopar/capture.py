@@ -272,7 +272,7 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         else:
             raise AutoparError(f"unsupported graph input kind {k} for {name}")
     node_kinds = {name: kind for name, (kind, _, _) in kinds.items()}
-    _inline_grad_mode_regions(gm)
+    _inline_regions(gm)
     _out_of_place(gm, node_kinds, {name: fqn for name, (_, fqn, _) in kinds.items()})
     mutated = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
@@ -308,8 +308,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         elif n.op == "get_attr":
             users = sorted({getattr(u.target, "__name__", str(u.target)) for u in n.users})
             raise AutoparError(f"the traced forward runs a subgraph ({n.target}) through {', '.join(users)}, a "
-                               "higher-order op autopar does not inline (torch.autocast inside forward: compile "
-                               "with precision='bf16' instead; torch.cond): write the forward without it")
+                               "higher-order op autopar does not inline (it inlines torch.no_grad and "
+                               "torch.autocast blocks; torch.cond is one it does not): write the forward without it")
         else:
             raise AutoparError(f"unsupported fx node {n.op} {n.target}")
     from torch.utils._pytree import treespec_dumps
@@ -354,45 +354,139 @@ def updates_state(n: fx.Node, kinds: dict) -> bool:
     return root.op == "placeholder" and kinds.get(root.name) is NodeKind.BUFFER
 
 
-def _inline_grad_mode_regions(gm: fx.GraphModule) -> None:
-    """``with torch.no_grad():`` inside forward traces to a higher-order op
-    that calls a subgraph. Its ops are inlined into the step, each input of the
-    region passed through ``detach``, so that no gradient flows through them
-    (a region that enables grad is inlined as it is)."""
-    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+_GRAD_MODE = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+# Conversions run as written under autocast (it does not cast their inputs).
+_CONVERSIONS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default,
+                torch.ops.aten.type_as.default, torch.ops.aten.to.device}
+
+
+def _inline_regions(gm: fx.GraphModule, autocast: tuple | None = None) -> None:
+    """Blocks in forward that change a mode trace to higher-order ops calling
+    a subgraph; their ops are inlined into the step:
+
+    - ``with torch.no_grad():`` each input of the region passes through
+      ``detach``, so no gradient flows through its ops (a region that enables
+      grad is inlined as it is);
+    - ``with torch.autocast(device, dtype):`` each op gets the casts autocast
+      gives its inputs, written out as ``_to_copy`` nodes (see
+      ``_autocast_op``), so the step computes in the dtypes the model does on
+      one device; a region that disables autocast is inlined as it is.
+
+    ``autocast`` is the (device, dtype, cache) in force around ``gm``'s ops."""
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not hop:
+        if n.op != "call_function":
             continue
-        enabled, sub, *operands = n.args
-        body = getattr(gm, sub.target)
-        _inline_grad_mode_regions(body)
-        env = {}
-        with gm.graph.inserting_before(n):
-            placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
-            for p, operand in zip(placeholders, operands):
-                if enabled:
-                    env[p] = operand
-                    continue
-                cut = gm.graph.call_function(torch.ops.aten.detach.default, (operand,))
-                cut.meta = {**operand.meta, "val": operand.meta["val"].detach()}
-                env[p] = cut
-            results = None
-            for b in body.graph.nodes:
-                if b.op == "placeholder":
-                    continue
-                if b.op == "output":
-                    results = b.args[0]
-                    break
-                env[b] = gm.graph.node_copy(b, lambda a: env[a])
-        outs = fx.node.map_arg(results, lambda a: env[a])
-        for u in list(n.users):  # getitem(region, k) -> the k-th result
-            u.replace_all_uses_with(outs[u.args[1]])
-            gm.graph.erase_node(u)
-        gm.graph.erase_node(n)
-        if not sub.users:
-            gm.graph.erase_node(sub)
-            delattr(gm, sub.target)
+        if n.target is _GRAD_MODE:
+            enabled, sub, *operands = n.args
+            _inline_regions(getattr(gm, sub.target), autocast)
+            _splice(gm, n, sub, operands, detach=not enabled)
+        elif n.target is _AUTOCAST:
+            device, dtype, enabled, cache, sub, *operands = n.args
+            _inline_regions(getattr(gm, sub.target), (device, dtype, cache) if enabled else None)
+            _splice(gm, n, sub, operands, detach=False)
+        elif autocast is not None and isinstance(n.target, torch._ops.OpOverload) and n.target not in _CONVERSIONS:
+            _autocast_op(gm, n, *autocast)
     gm.recompile()
+
+
+def _splice(gm: fx.GraphModule, n: fx.Node, sub: fx.Node, operands: list, detach: bool) -> None:
+    """Replace the region call ``n`` by a copy of its subgraph's ops."""
+    body = getattr(gm, sub.target)
+    env = {}
+    with gm.graph.inserting_before(n):
+        placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+        for p, operand in zip(placeholders, operands):
+            if not detach:
+                env[p] = operand
+                continue
+            cut = gm.graph.call_function(torch.ops.aten.detach.default, (operand,))
+            cut.meta = {**operand.meta, "val": operand.meta["val"].detach()}
+            env[p] = cut
+        results = None
+        for b in body.graph.nodes:
+            if b.op == "placeholder":
+                continue
+            if b.op == "output":
+                results = b.args[0]
+                break
+            env[b] = gm.graph.node_copy(b, lambda a: env[a])
+    outs = fx.node.map_arg(results, lambda a: env[a])
+    for u in list(n.users):  # getitem(region, k) -> the k-th result
+        u.replace_all_uses_with(outs[u.args[1]])
+        gm.graph.erase_node(u)
+    gm.graph.erase_node(n)
+    if not sub.users:
+        gm.graph.erase_node(sub)
+        delattr(gm, sub.target)
+
+
+def _autocast_op(gm: fx.GraphModule, n: fx.Node, device: str, dtype: torch.dtype, cache: bool) -> None:
+    """Write out the casts autocast applies to op ``n``'s tensor inputs.
+
+    Which inputs autocast casts, and to what, is torch's own policy per op and
+    device (lower precision for matmuls and convolutions, float32 for
+    reductions and norms, the widest type for mixed inputs): it is read off by
+    tracing the op alone under ``torch.autocast`` on fake tensors, where the
+    casts show as ``_to_copy`` of its inputs. An op that autocast reaches only
+    inside its decomposition (``einsum``'s ``bmm``) casts mid-way, which no
+    input cast can write: capture refuses it by name."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    slots = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if not any(a.meta["val"].is_floating_point() for a in slots):
+        return
+    vals = [a.meta["val"] for a in slots]
+
+    def alone(*tensors):
+        env = dict(zip(slots, tensors))
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a.meta.get("val")))
+        with torch.autocast(device, dtype=dtype, cache_enabled=cache):
+            return n.target(*args, **kwargs)
+
+    with vals[0].fake_mode:
+        traced = make_fx(alone)(*vals)
+    inputs = [p for p in traced.graph.nodes if p.op == "placeholder"]
+    casts, cast_nodes = {}, set()
+    for slot, p in zip(slots, inputs):
+        for u in p.users:
+            if u.target is torch.ops.aten._to_copy.default and set(u.kwargs) == {"dtype"}:
+                casts[slot] = u.kwargs["dtype"]
+                cast_nodes.add(u)
+    inner = [c for c in traced.graph.nodes if c.target is torch.ops.aten._to_copy.default and c not in cast_nodes]
+    if inner:
+        _splice_traced(gm, n, traced, slots)
+        return
+    with gm.graph.inserting_before(n):
+        for slot, to in casts.items():
+            if slot.meta["val"].dtype == to:
+                continue
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (slot,), {"dtype": to})
+            with slot.meta["val"].fake_mode:
+                cast.meta = {**n.meta, "val": slot.meta["val"].to(to)}
+            n.replace_input_with(slot, cast)
+
+
+def _splice_traced(gm: fx.GraphModule, n: fx.Node, traced: fx.GraphModule, slots: list) -> None:
+    """Replace op ``n`` by the ops of ``traced`` (its decomposition, traced
+    with ``n``'s tensor inputs ``slots`` as placeholders)."""
+    env = dict(zip([p for p in traced.graph.nodes if p.op == "placeholder"], slots))
+    result = None
+    with gm.graph.inserting_before(n):
+        for t in traced.graph.nodes:
+            if t.op == "placeholder" or t.target in ASSERTIONS:
+                continue
+            if t.op == "output":
+                result = fx.node.map_arg(t.args[0], lambda a: env[a])
+                break
+            env[t] = gm.graph.node_copy(t, lambda a: env[a])
+            env[t].meta = {**n.meta, "val": t.meta.get("val")}
+    if isinstance(result, fx.Node):
+        n.replace_all_uses_with(result)
+    else:
+        for u in list(n.users):  # getitem(op, k) -> the k-th result
+            u.replace_all_uses_with(result[u.args[1]])
+            gm.graph.erase_node(u)
+    gm.graph.erase_node(n)
 
 
 def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:

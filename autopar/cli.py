@@ -91,6 +91,8 @@ def _verify(args) -> int:
            "--random-plans", str(args.random_plans)]
     if args.plan:
         cmd += ["--plan", args.plan]
+    if args.tol is not None:
+        cmd += ["--tol", str(args.tol)]
     print("$", " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun"), flush=True)
     return subprocess.call(cmd)
 
@@ -161,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--plan", help="check this plan.json instead of compiling")
     v.add_argument("--steps", type=int, default=2)
     v.add_argument("--random-plans", type=int, default=0)
+    v.add_argument("--tol", type=float, help="relative tolerance (default: 1e-5, or for a model computing in "
+                   "bfloat16 or float16, torch.testing.assert_close's default for that dtype)")
     v.set_defaults(fn=_verify)
     o = sub.add_parser("ops", help="list the ops with a sharding rule, and what each rule splits")
     o.add_argument("query", nargs="?", help="only ops whose name contains this (e.g. lstm, softmax)")

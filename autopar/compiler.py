@@ -19,7 +19,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
     needs_grad, node_compute,
-    optimizer_step_bytes, gather_transient, gathers, optimizer_time, produced, replays, saves_input,
+    gather_transient, gathers, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -447,7 +447,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     # Activations: those alive at the op whose backward needs the most with
     # its working set (autopar/timeline.py); gradients build up in backward
     # as activations are freed, and the optimizer step adds its temporaries.
-    step_temp = optimizer_step_bytes(memory["parameters"], ctx)
+    step_temp = sum(step_temporaries(n, chosen[n.name], ctx) for n in graph.nodes.values())
     optimizer_s = sum(optimizer_time(n, chosen[n.name], ctx) for n in graph.nodes.values())
     step += optimizer_s
     peak = memory["parameters"] + memory["optimizer"] + memory["inputs"] + max(

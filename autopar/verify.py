@@ -69,6 +69,31 @@ def random_draws(graph) -> list[str]:
             and _draws(n.target, n.info.args, n.info.kwargs)]
 
 
+def lowest_precision(graph) -> torch.dtype:
+    """The least precise floating dtype the captured step computes in (a
+    bfloat16 model, or a ``torch.autocast`` block, computes below float32)."""
+    dtypes = {o.dtype for n in graph.nodes.values() for o in n.outputs
+              if o is not None and o.dtype.is_floating_point and not o.dtype.is_complex}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+
+
+def tolerance(requested: float | None, dtype: torch.dtype) -> tuple[float, str]:
+    """A check's relative tolerance and why: ``--tol`` when given; otherwise
+    1e-5, or, for a model that computes below float32, the relative tolerance
+    torch.testing.assert_close applies to that dtype by default (bfloat16
+    1.6e-2, float16 1e-3): a split sum adds its terms in another order and
+    rounds each partial sum to the dtype, so one device and the parallel
+    program differ by rounding errors of that size."""
+    if requested is not None:
+        return requested, ""
+    from torch.testing._comparison import default_tolerances
+    rtol, _ = default_tolerances(torch.empty(0, dtype=dtype))
+    if rtol <= 1e-5:
+        return 1e-5, ""
+    name = str(dtype).removeprefix("torch.")
+    return rtol, f"{rtol:.2g} where the model computes in {name} (torch.testing.assert_close's default for {name})"
+
+
 def random_note(draws: list[str]) -> str:
     """Why a model that draws random numbers cannot agree with one device bit for bit."""
     shown = ", ".join(draws[:4]) + (f" and {len(draws) - 4} more" if len(draws) > 4 else "")
@@ -107,7 +132,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
                            for x, i in zip(inputs, plan.inputs))
     opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    report = {"loss": [], "grad": 0.0, "random_draws": draws}
+    report = {"loss": [], "grad": 0.0, "random_draws": draws, "dtype": str(lowest_precision(graph))}
     ref_params = dict(reference.named_parameters())
     for step in range(steps):
         loss = _scalar(pmodel(*run_inputs))
@@ -168,7 +193,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--random-plans", type=int, default=0, help="also check N random valid plans")
     ap.add_argument("--local-inputs", action="store_true", help="feed each rank its own shard of the batch")
-    ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--tol", type=float, help="relative tolerance (default: 1e-5, or for a model computing in bfloat16 or "
+                    "float16, torch.testing.assert_close's default for that dtype: 1.6e-2, 1e-3)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
     ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
     ap.add_argument("--json", help="write the report here (rank 0)")
@@ -184,8 +210,10 @@ def main(argv=None):
                 r = check(source, mesh, args.cluster, args.steps, random_seed=seed)
                 reports.append({**r, "source": source, "mesh": mesh,
                                 "label": f"{name} mesh {mesh}, random plan {seed}".strip()})
-    ok = all(max(r["loss_rel"], r["grad"], r["param"]) <= args.tol for r in reports)
-    finish(reports, ok, args.tol, args.json, lambda r: (
+    for r in reports:
+        r["tol"], r["tol_why"] = tolerance(args.tol, getattr(torch, r["dtype"].removeprefix("torch.")))
+    ok = all(max(r["loss_rel"], r["grad"], r["param"]) <= r["tol"] for r in reports)
+    finish(reports, ok, args.tol or 1e-5, args.json, lambda r: (
         f"{r['label']}: loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, "
         f"param rel err after {args.steps} AdamW steps {r['param']:.1e} (max abs {r['param_max_abs']:.1e})"))
 
@@ -197,7 +225,8 @@ def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> 
     if dist.get_rank() == 0:
         for r in reports:
             print(line(r))
-        print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {tol:g})")
+        why = "".join(dict.fromkeys(f"; {r['tol_why']}" for r in reports if r.get("tol_why")))
+        print("agreement with single device:", "OK" if ok else "FAILED", f"(tolerance {tol:g}{why})")
         draws = list(dict.fromkeys(d for r in reports for d in r.get("random_draws", [])))
         if draws and not ok:
             print(random_note(draws))

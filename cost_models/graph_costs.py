@@ -28,16 +28,18 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def param_bytes(precision: str, optimizer: str) -> dict:
+def param_bytes(precision: str, optimizer: str, itemsize: int = 4) -> dict:
     """Bytes per parameter element, by kind (Rajbhandari et al. 2020, ZeRO, sec. 3.1).
 
-    fp32: 4 B weights, 4 B gradients, 4 B per optimizer state. Mixed precision
-    (bf16/fp16 compute): 2 B weights and 2 B gradients in the compute dtype,
-    plus an fp32 master copy (4 B) with the fp32 states: 2 + 2 + 12 = 16 B for Adam."""
-    states = 4 * OPTIMIZER_STATES[optimizer]
+    fp32, the model as it is: weights, gradients and each optimizer state in
+    the parameter's own dtype (``itemsize`` bytes: torch.optim keeps its
+    states in the parameter's dtype), 4 + 4 + 8 = 16 B for Adam on float32,
+    half that for a bfloat16 model. Mixed precision (bf16/fp16 compute): 2 B
+    weights and 2 B gradients in the compute dtype, plus an fp32 master copy
+    (4 B) with the fp32 states: 2 + 2 + 12 = 16 B for Adam."""
     if precision == "fp32":
-        return {"parameters": 4, "gradients": 4, "optimizer": states}
-    return {"parameters": 2, "gradients": 2, "optimizer": 4 + states}
+        return {"parameters": itemsize, "gradients": itemsize, "optimizer": itemsize * OPTIMIZER_STATES[optimizer]}
+    return {"parameters": 2, "gradients": 2, "optimizer": 4 + 4 * OPTIMIZER_STATES[optimizer]}
 
 
 _aten = torch.ops.aten
@@ -314,7 +316,7 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
     ms = ctx.mesh_shape
     if node.kind is NodeKind.PARAM:
         elements = math.prod(node.out.shape) / shard_factor(s.output, ms)
-        return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer).items()}
+        return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer, node.out.dtype.itemsize).items()}
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
     if node.kind is NodeKind.OP and kept and not is_view(node):
@@ -324,21 +326,22 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
     return {}
 
 
-def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext) -> float:
+def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext, itemsize: int = 4) -> float:
     """Temporaries of one optimizer step: torch.optim's multi-tensor Adam/AdamW
-    computes sqrt(v) out of place, one fp32 tensor per parameter
-    (torch/optim/adam.py, _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs));
-    SGD updates in place."""
+    computes sqrt(v) out of place, one tensor per parameter in its state's
+    dtype (torch/optim/adam.py, _multi_tensor_adam:
+    torch._foreach_sqrt(exp_avg_sqs)); SGD updates in place."""
     if OPTIMIZER_STATES[ctx.optimizer] < 2:
         return 0.0
-    return param_bytes_local * 4 / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
+    state = itemsize if ctx.precision == "fp32" else 4  # mixed precision: fp32 states
+    return param_bytes_local / param_bytes(ctx.precision, ctx.optimizer, itemsize)["parameters"] * state
 
 
 def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
     """``optimizer_step_bytes`` of one parameter's local shard."""
     if node.kind is not NodeKind.PARAM:
         return 0.0
-    return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx)
+    return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx, node.out.dtype.itemsize)
 
 
 OPTIMIZER_PASSES = {"sgd": (1, 12), "sgd-momentum": (3, 32), "adam": (8, 72), "adamw": (9, 80)}

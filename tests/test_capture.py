@@ -2,6 +2,7 @@
 rule (and the rules' own listing, `autopar ops`), ops with several outputs
 placed differently, complex tensors, random draws, in-place ops and
 assignments on activations, and the models it refuses, by name."""
+import copy
 import json
 import os
 import warnings
@@ -181,6 +182,25 @@ def test_verify_names_the_random_draws_that_keep_it_from_agreeing():
     assert "check it with the draws off (dropout p=0" in note
 
 
+def test_verify_tolerance_follows_the_precision_the_model_computes_in():
+    """A bfloat16 model (or an autocast block) cannot agree with one device
+    to 1e-5: verify checks it to assert_close's default for its dtype, says
+    so, and an explicit --tol wins."""
+    from autopar.capture import capture
+    from autopar.verify import lowest_precision, tolerance
+    half = nn.Linear(8, 4).to(torch.bfloat16)
+    assert lowest_precision(capture(half, (torch.zeros(2, 8, dtype=torch.bfloat16),))) == torch.bfloat16
+    mixed = capture(*load_factory("tests/fixtures/opzoo.py:mixed_precision"))
+    assert lowest_precision(mixed) == torch.bfloat16
+    assert lowest_precision(capture(nn.Linear(8, 4), (torch.zeros(2, 8),))) == torch.float32
+    assert tolerance(None, torch.float32) == (1e-5, "")
+    tol, why = tolerance(None, torch.bfloat16)
+    assert tol == 0.016 and why == "0.016 where the model computes in bfloat16 (torch.testing.assert_close's default "\
+        "for bfloat16)"
+    assert tolerance(None, torch.float16)[0] == 1e-3
+    assert tolerance(3e-4, torch.bfloat16) == (3e-4, "")
+
+
 def test_assignments_into_activations_run_as_scatters():
     """``h[:, 0] = 0.0``, ``h[:, 1:3] += x``, ``h[..., :4] = f(...)``: the
     in-place write through a view, whose base is read afterwards, runs out
@@ -293,7 +313,35 @@ def test_no_grad_regions_are_inlined_behind_detach():
     assert teacher[0].name not in needs_grad(graph)
 
 
-def test_parameter_overwritten_in_forward_autocast_and_data_dependent_shapes_are_refused_by_name():
+def test_autocast_blocks_run_with_the_casts_autocast_makes():
+    """``torch.autocast`` in forward (tests/fixtures/opzoo.py:mixed_precision):
+    capture writes autocast's casts out as ops, so the captured step, run on
+    one device, gives the model's output bit for bit (in full precision it
+    would not); a linear takes bfloat16 inputs, an einsum on float32
+    inputs runs as its decomposition with the casts inside, and the block
+    that turns autocast off stays in float32."""
+    from autopar.capture import capture
+    model, inputs, _ = load_factory("tests/fixtures/opzoo.py:mixed_precision")
+    graph = capture(model, inputs[:-1])
+    gm = graph.gm
+    fqn = {name: k for k, name in graph.params.items()}
+    params = dict(model.named_parameters())
+    args = [params[fqn[p.name]] if p.name in fqn else inputs[0] for p in gm.graph.nodes if p.op == "placeholder"]
+    with torch.no_grad():
+        out = gm(*args)[0]
+        assert torch.equal(out, model(inputs[0]))
+        exact = copy.deepcopy(model).double()(inputs[0].double())  # autocast leaves float64 alone
+        assert (out.double() - exact).abs().max() > 1e-3  # so the equality is bfloat16's, not float32's
+    nodes = graph.nodes.values()
+    dtype = {n.name: n.outputs[0].dtype for n in nodes if n.outputs and n.outputs[0] is not None}
+    linears = [n for n in nodes if n.op_name == "linear"]
+    assert len(linears) == 2 and all(dtype[i] == torch.bfloat16 for n in linears for i in n.inputs)
+    assert [dtype[n.name] for n in nodes if n.op_name == "bmm"] == [torch.bfloat16]  # the first einsum, decomposed
+    assert [n.op_name for n in nodes].count("einsum") == 2  # bfloat16 inputs already: kept whole
+    assert {dtype[n.name] for n in nodes if n.op_name in ("pow", "rsqrt")} == {torch.float32}  # autocast off
+
+
+def test_parameter_overwritten_in_forward_cond_and_data_dependent_shapes_are_refused_by_name():
     from autopar.errors import AutoparError
 
     class Clamps(nn.Module):
@@ -306,20 +354,18 @@ def test_parameter_overwritten_in_forward_autocast_and_data_dependent_shapes_are
                 self.fc.weight.clamp_(-0.1, 0.1)
             return self.fc(x)
 
-    class Autocasts(Clamps):
+    class Branches(Clamps):  # a data-dependent branch: torch.cond's subgraphs
         def forward(self, x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                y = self.fc(x)
-            return y.float()
+            return torch.cond(x.sum() > 0, lambda t: self.fc(t), lambda t: self.fc(t) * 2, (x,))
 
     kw = dict(mesh=2, cluster="dgx-a100", loss_fn=torch.nn.functional.mse_loss)
     inputs = (torch.randn(4, 8), torch.randn(4, 8))
     with pytest.raises(AutoparError, match=r"in-place op aten\.clamp_\.default at the top level overwrites parameter "
                                            r"fc\.weight during the forward.*after optimizer\.step"):
         autopar.compile(Clamps(), inputs, **kw)
-    with pytest.raises(AutoparError, match=r"runs a subgraph \(submod_1\) through wrap_with_autocast.*"
-                                           r"precision='bf16'"):
-        autopar.compile(Autocasts(), inputs, **kw)
+    with pytest.raises(AutoparError, match=r"runs a subgraph \(true_graph_0\) through cond, a higher-order op "
+                                           r"autopar does not inline.*torch\.no_grad and torch\.autocast blocks"):
+        autopar.compile(Branches(), inputs, **kw)
 
     class Selects(Clamps):  # a tensor whose size depends on values: no fixed shape to plan
         def forward(self, x):

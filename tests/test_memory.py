@@ -21,6 +21,24 @@ def test_bytes_per_parameter(precision, optimizer, total):
     assert sum(param_bytes(precision, optimizer).values()) == total
 
 
+def test_a_bfloat16_model_holds_half_the_bytes_of_its_float32_twin():
+    """Priced as the model is (precision fp32, the default), parameters,
+    gradients and Adam's states take the parameter's own dtype, as torch.optim
+    keeps them; mixed-precision pricing (bf16) is 16 B per parameter either way."""
+    from torch import nn
+    memory = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).to(dtype)
+        inputs = (torch.randn(8, 64, dtype=dtype), torch.randn(8, 64, dtype=dtype))
+        plan = autopar.compile(model, inputs, mesh=1, cluster="dgx-a100", loss_fn=torch.nn.functional.mse_loss)
+        memory[dtype] = plan.predicted["memory"]
+    psi = 64 * 256 * 2 + 256 + 64
+    assert memory[torch.float32]["parameters"] == 4 * psi and memory[torch.bfloat16]["parameters"] == 2 * psi
+    for kind in ("gradients", "optimizer"):
+        assert memory[torch.bfloat16][kind] * 2 == memory[torch.float32][kind]
+    assert sum(param_bytes("bf16", "adamw", 2).values()) == 16 and sum(param_bytes("fp32", "adamw", 2).values()) == 8
+
+
 @pytest.fixture(scope="session")  # built once per xdist worker, which interleaves modules
 def gpt_graph():
     from autopar.capture import capture

@@ -13,7 +13,7 @@ from autopar.passes.strategy import R, Row, S
 _PARTIAL = {
     aten.sum.dim_IntList: "sum", aten.sum.default: "sum",
     aten.mean.dim: "avg", aten.mean.default: "avg",
-    aten.amax.default: None, aten.amin.default: None,
+    aten.amax.default: None, aten.amin.default: None, aten.max.default: None, aten.min.default: None,
     aten.nansum.default: "sum", aten.count_nonzero.dim_IntList: "sum", aten.count_nonzero.default: "sum",
 }
 
@@ -40,10 +40,10 @@ def reduction_rows(info: OpInfo, dims, keepdim: bool, op: str) -> list[Row]:
 
 @register(*_PARTIAL)
 def reduction_rule(info: OpInfo):
-    """sum, mean, nansum, count_nonzero, amax, amin over dims: a kept dim
-    splits; a reduced dim splits into a Partial sum (a mean into local means
-    summed over n), except for amax/amin."""
-    if info.target in (aten.sum.default, aten.mean.default):
+    """sum, mean, nansum, count_nonzero, amax, amin over dims (max, min of a
+    whole tensor): a kept dim splits; a reduced dim splits into a Partial sum
+    (a mean into local means summed over n), except for the maxima and minima."""
+    if info.target in (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default):
         dims, keepdim = None, False
     elif info.target in (aten.count_nonzero.dim_IntList, aten.count_nonzero.default):
         dims, keepdim = info.arg(1, "dim"), False
