@@ -214,27 +214,32 @@ def _strip(name: str) -> str:
 
 
 def _inline_scalar_constants(ep) -> set:
-    """Scalars torch.export lifts out of forward as constant tensors (the 0.0
-    of ``x[:, 0] = 0.0``) become ``scalar_tensor`` factories in the graph
-    (replicated, as every rank makes the same); their placeholders and the
-    ``lift_fresh_copy`` that copied them go. Returns the placeholders removed."""
+    """Constants torch.export lifts out of forward as tensors become
+    factories in the graph (replicated, as every rank makes the same): a
+    scalar (the 0.0 of ``x[:, 0] = 0.0``) a ``scalar_tensor``, an empty
+    tensor (``torch.tensor([])``, as Hugging Face's caches start) an
+    ``empty``; their placeholders and the ``lift_fresh_copy`` that copied
+    them go. Returns the placeholders removed."""
     gm, removed = ep.graph_module, set()
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     body = next(n for n in gm.graph.nodes if n.op != "placeholder")
     for spec in ep.graph_signature.input_specs:
         value = ep.constants.get(spec.target) if spec.kind.name == "CONSTANT_TENSOR" else None
-        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        if not isinstance(value, torch.Tensor) or (value.dim() != 0 and value.numel() != 0):
             continue
         ph = placeholders[spec.arg.name]
+        where = {"dtype": value.dtype, "device": value.device}  # the rank's device, at run time
         with gm.graph.inserting_before(body):
-            scalar = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
-                                            {"dtype": value.dtype, "device": value.device})  # the rank's, at run time
-        scalar.meta = dict(ph.meta)
+            if value.dim() == 0:
+                made = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),), where)
+            else:
+                made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (list(value.shape),), where)
+        made.meta = dict(ph.meta)
         for user in list(ph.users):
             if user.target is torch.ops.aten.lift_fresh_copy.default:
-                user.replace_all_uses_with(scalar)
+                user.replace_all_uses_with(made)
                 gm.graph.erase_node(user)
-        ph.replace_all_uses_with(scalar)
+        ph.replace_all_uses_with(made)
         gm.graph.erase_node(ph)
         removed.add(spec.arg.name)
     if removed:
@@ -273,6 +278,7 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             raise AutoparError(f"unsupported graph input kind {k} for {name}")
     node_kinds = {name: kind for name, (kind, _, _) in kinds.items()}
     _inline_regions(gm)
+    _drop_device_moves(gm)
     _out_of_place(gm, node_kinds, {name: fqn for name, (_, fqn, _) in kinds.items()})
     mutated = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if mutated:
@@ -328,8 +334,8 @@ def writes_first_input(target) -> bool:
 def _returns_view(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
-    if n.target is operator.getitem:
-        return True
+    if n.target is operator.getitem:  # an item of split/unbind is a view; of topk, a tensor of its own
+        return isinstance(n.args[0], fx.Node) and _returns_view(n.args[0])
     schema = getattr(n.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write)
@@ -387,6 +393,21 @@ def _inline_regions(gm: fx.GraphModule, autocast: tuple | None = None) -> None:
             _splice(gm, n, sub, operands, detach=False)
         elif autocast is not None and isinstance(n.target, torch._ops.OpOverload) and n.target not in _CONVERSIONS:
             _autocast_op(gm, n, *autocast)
+    gm.recompile()
+
+
+def _drop_device_moves(gm: fx.GraphModule) -> None:
+    """``x.to(device)`` (Hugging Face moves its rotary tables to the input's
+    device) names the device the model was traced on; in the program every
+    tensor already lives on its rank's device, so a move keeps only its dtype
+    conversion: ``to.device`` becomes ``to.dtype``, a ``_to_copy`` loses its
+    ``device`` argument."""
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.to.device:
+            x, _, dtype, *rest = n.args
+            n.target, n.args = torch.ops.aten.to.dtype, (x, dtype, *rest)
+        elif n.target is torch.ops.aten._to_copy.default and "device" in n.kwargs:
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "device"}
     gm.recompile()
 
 

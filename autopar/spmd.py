@@ -489,15 +489,20 @@ def _shard_index(mesh, placements, dim: int | None = None) -> tuple[int, int]:
 
 def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
     """Lookup in this rank's rows of the table: ids outside them give zeros, so
-    over a vocabulary split the result is a Partial (sum)."""
+    over a vocabulary split the result is a Partial (sum). The padding id's
+    lookups pass no gradient, whichever rank holds its row (the local call
+    gets no padding_idx: the global one would name another row of a shard)."""
     w, idx, *rest = args
     index, count = _shard_index(mesh, dargs[0].placements, 0)
     if count == 1:
         return fn(w, idx, *rest, **kwargs)
+    padding = rest[0] if rest else kwargs.get("padding_idx", -1)
+    rest, kwargs = rest[1:], {k: v for k, v in kwargs.items() if k != "padding_idx"}
     start = index * w.shape[0]
     inside = (idx >= start) & (idx < start + w.shape[0])
-    out = fn(w, torch.where(inside, idx - start, torch.zeros_like(idx)), *rest, **kwargs)
-    return out * inside.unsqueeze(-1).to(out.dtype)
+    out = fn(w, torch.where(inside, idx - start, torch.zeros_like(idx)), -1, *rest, **kwargs)
+    out = out * inside.unsqueeze(-1).to(out.dtype)
+    return torch.where((idx == padding).unsqueeze(-1), out.detach(), out) if padding >= 0 else out
 
 
 def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):

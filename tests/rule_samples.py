@@ -193,6 +193,10 @@ SAMPLES = [
     call(aten.einsum.default, "ij->", [x(8, 12)], name="sum_all"),
     call(aten.elu.default, X),
     call(aten.embedding.default, x(16, 8), idx(4, 8, high=16)),
+    # every row looked up (a shard's first row too), row 3 the padding: no gradient
+    call(aten.embedding.default, x(16, 8), torch.arange(32).remainder(16).view(4, 8), 3, name="padding"),
+    # gradients scaled by each id's count in the whole batch
+    call(aten.embedding.default, x(16, 8), idx(4, 8, high=6), -1, True, name="scaled"),
     # EmbeddingBag: 4 bags of 12 indices into a 10 x 8 table (sum, mean, max; weights per index; padding)
     call(aten.embedding_bag.padding_idx, x(10, 8), idx(12, high=10), torch.tensor([0, 3, 5, 9]), False, 0, False,
          x(12, seed=1), False, None, name="sum_weighted"),

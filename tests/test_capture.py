@@ -201,6 +201,46 @@ def test_verify_tolerance_follows_the_precision_the_model_computes_in():
     assert tolerance(3e-4, torch.bfloat16) == (3e-4, "")
 
 
+def test_verify_leaves_out_what_rounding_alone_moves():
+    """An attention key's bias gets a gradient the softmax cancels (zero but
+    for rounding), which Adam scales to +-lr steps: verify leaves it out of
+    the parameter error; and the parameters pass within the drift that the
+    program's gradient differences give one device, which is zero for no
+    difference and which no wrong update hides behind."""
+    from autopar.verify import _drift, agrees, rounding_only
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.softmax(self.q(x) @ self.k(x).transpose(1, 2), -1) @ self.v(x)
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 5, 8)
+    initial = copy.deepcopy(model)
+    model(x).square().mean().backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    assert rounding_only(grads, grads) == ["k.bias"]
+    assert rounding_only({**grads, "k.bias": torch.ones(8)}, grads) == []  # the program's is not noise: compared
+    inputs, loss = (x, torch.zeros(2, 5, 8)), torch.nn.functional.mse_loss
+    reference = copy.deepcopy(initial)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for _ in range(2):
+        loss(reference(x), inputs[1]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_state = reference.state_dict()
+    keys = sorted(ref_state)
+    zero = {k: torch.zeros_like(g) for k, g in grads.items()}
+    assert _drift(initial, inputs, loss, 2, 1e-3, zero, 0, ref_state, keys) == 0.0
+    assert _drift(initial, inputs, loss, 2, 1e-3, {k: g.abs() * 1e-6 for k, g in grads.items()}, 0, ref_state,
+                  keys) > 0.0
+    report = {"loss_rel": 0.0, "grad": 1e-7, "tol": 1e-5, "param": 3e-5, "param_floor": 4e-5}
+    assert agrees(report) and not agrees({**report, "param_floor": 2e-5}) and not agrees({**report, "grad": 2e-5})
+
+
 def test_assignments_into_activations_run_as_scatters():
     """``h[:, 0] = 0.0``, ``h[:, 1:3] += x``, ``h[..., :4] = f(...)``: the
     in-place write through a view, whose base is read afterwards, runs out

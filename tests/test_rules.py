@@ -303,17 +303,19 @@ class _Placed:
 
 
 # Local implementations that read the rank's coordinate as a Python int, which
-# LocalTensorMode cannot simulate: checked rank by rank instead.
-RANK_BY_RANK = {aten.embedding.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+# LocalTensorMode cannot simulate: checked rank by rank instead (values only).
+RANK_BY_RANK = {aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                 aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
                 aten.uniform.default, aten.normal_functional.default, aten.exponential.default}
-"""Ops whose local implementation uses the rank's coordinate (the masked
-lookup; the random ops, which seed each shard's draw by it)."""
+"""Ops whose local implementation seeds each shard's draw by the rank's
+coordinate (the random ops). The masked embedding lookup computes with the
+coordinate only in tensor arithmetic, which LocalTensorMode carries: it gets
+the full check, gradients included."""
 
 
 def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
     """Forward check of an op that has its own local implementation in
-    autopar.spmd (the masked embedding lookup), rank by rank on plain tensors:
+    autopar.spmd (the random ops), rank by rank on plain tensors:
     such implementations compute with the rank's coordinate, which
     LocalTensorMode cannot carry into Python integers."""
     from autopar import spmd

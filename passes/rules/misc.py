@@ -12,11 +12,16 @@ from autopar.passes.strategy import P, R, Row, S
 def embedding_rule(info: OpInfo):
     """Lookup of rows of a table: the indices' dims split, or the embedding dim
     (the table's columns), or the vocabulary (a masked lookup whose result
-    is a Partial sum, autopar/spmd.py)."""
+    is a Partial sum, autopar/spmd.py). With ``scale_grad_by_freq`` each
+    row's gradient is divided by its id's count over all the indices, which
+    a shard of the indices (or of the vocabulary, whose other ids the lookup
+    masks) would count wrongly: only the columns split."""
     idx = info.inputs[1]
-    rows = [Row(S(d), (R, S(d))) for d in range(idx.ndim) if idx.shape[d] > 1]
+    whole_count = bool(info.arg(3, "scale_grad_by_freq", False))
+    rows = [] if whole_count else [Row(S(d), (R, S(d))) for d in range(idx.ndim) if idx.shape[d] > 1]
     rows.append(Row(S(idx.ndim), (S(1), R)))      # hidden dim split
-    rows.append(Row(P, (S(0), R)))                # vocabulary split: masked lookup, summed
+    if not whole_count:
+        rows.append(Row(P, (S(0), R)))            # vocabulary split: masked lookup, summed
     rows.append(Row(R, (R, R)))
     return rows
 
