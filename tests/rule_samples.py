@@ -328,6 +328,8 @@ SAMPLES = [
     call(aten.max_pool1d_with_indices.default, x(4, 8, 6), [2]),
     call(aten.max_pool2d_with_indices.default, x(4, 8, 6, 6), [2, 2]),
     call(aten.max_pool3d_with_indices.default, x(4, 8, 4, 4, 4), [2, 2, 2]),
+    call(aten.histc.default, X, 6, -2.0, 2.0, frozen=(0,)),
+    call(aten.histc.default, X, 6, name="data_range", frozen=(0,)),
     call(aten.max.default, X),
     call(aten.max.other, X, Y),
     call(aten.maximum.default, X, Y),

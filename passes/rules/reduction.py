@@ -52,3 +52,14 @@ def reduction_rule(info: OpInfo):
     if isinstance(dims, int):
         dims = [dims]
     return reduction_rows(info, dims, bool(keepdim), _PARTIAL[info.target])
+
+
+@register(aten.histc.default)
+def histc_rule(info: OpInfo):
+    """histc(x, bins, min, max): counts per bin, of every element: any split
+    dim gives partial counts, summed. With min = max the range is the data's
+    own minimum and maximum, which a shard does not know: replicated."""
+    x = info.inputs[0]
+    low, high = info.arg(2, "min", 0), info.arg(3, "max", 0)
+    rows = [Row(Partial("sum"), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1] if low != high else []
+    return rows + [Row(R, (R,))]
