@@ -107,10 +107,11 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     model, inputs, loss, cluster = parameter_heavy()
     times = []
     for budget, present, absent, recompute in SWEEP:
-        # 20 s: under a binding budget a solve with layers peeled off the
-        # classes finds nothing in 50 s either, and the clustered plan stands
+        # 6 s: under a binding budget the solve with layers peeled off the
+        # classes rarely improves on the clustered plan (at 90 MB by 2% in
+        # 20 s); what is checked here holds for either plan
         plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16",
-                               memory=budget and budget * 1e6, time_limit_s=20)
+                               memory=budget and budget * 1e6, time_limit_s=6)
         stages = {p["zero_stage"] for p in plan.parameters.values()}
         assert present <= stages and not (absent & stages), (budget, stages)
         assert plan.recompute["mode"] == recompute, budget
@@ -123,7 +124,7 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     need = info.value.needed_bytes
     assert 50e6 < need < 70e6
     plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, precision="bf16",
-                           memory=need * 1.001, time_limit_s=20)
+                           memory=need * 1.001, time_limit_s=6)
     assert plan.predicted["peak_memory_bytes"] <= need * 1.001
 
 
