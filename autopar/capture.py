@@ -213,30 +213,49 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _inline_scalar_constants(ep) -> set:
+SMALL_CONSTANT = 64
+"""The most elements a constant written in forward may have to be inlined
+as factories (one ``scalar_tensor`` each); a larger one must be a buffer."""
+
+
+def _inline_constants(ep) -> set:
     """Constants torch.export lifts out of forward as tensors become
     factories in the graph (replicated, as every rank makes the same): a
     scalar (the 0.0 of ``x[:, 0] = 0.0``) a ``scalar_tensor``, an empty
     tensor (``torch.tensor([])``, as Hugging Face's caches start) an
-    ``empty``; their placeholders and the ``lift_fresh_copy`` that copied
-    them go. Returns the placeholders removed."""
+    ``empty``, a small one (the index list of ``x[..., [-2], :]``) its
+    elements' ``scalar_tensor`` stacked and viewed to its shape; their
+    placeholders and the ``lift_fresh_copy`` that copied them go. Returns the
+    placeholders removed."""
     gm, removed = ep.graph_module, set()
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     body = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    aten = torch.ops.aten
     for spec in ep.graph_signature.input_specs:
         value = ep.constants.get(spec.target) if spec.kind.name == "CONSTANT_TENSOR" else None
-        if not isinstance(value, torch.Tensor) or (value.dim() != 0 and value.numel() != 0):
+        if not isinstance(value, torch.Tensor) or value.is_complex() or value.numel() > SMALL_CONSTANT:
             continue
         ph = placeholders[spec.arg.name]
+        fake = ph.meta["val"].fake_mode
         where = {"dtype": value.dtype, "device": value.device}  # the rank's device, at run time
+
+        def make(target, args, kwargs=None):
+            node = gm.graph.call_function(target, args, kwargs or {})
+            with fake:
+                node.meta = {**ph.meta, "val": target(*fx.node.map_arg(args, lambda a: a.meta["val"]),
+                                                      **(kwargs or {}))}
+            return node
+
         with gm.graph.inserting_before(body):
             if value.dim() == 0:
-                made = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),), where)
+                made = make(aten.scalar_tensor.default, (value.item(),), where)
+            elif value.numel() == 0:
+                made = make(aten.empty.memory_format, (list(value.shape),), where)
             else:
-                made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (list(value.shape),), where)
-        made.meta = dict(ph.meta)
+                items = [make(aten.scalar_tensor.default, (v,), where) for v in value.flatten().tolist()]
+                made = make(aten.view.default, (make(aten.stack.default, (items,)), list(value.shape)))
         for user in list(ph.users):
-            if user.target is torch.ops.aten.lift_fresh_copy.default:
+            if user.target is aten.lift_fresh_copy.default:
                 user.replace_all_uses_with(made)
                 gm.graph.erase_node(user)
         ph.replace_all_uses_with(made)
@@ -253,7 +272,7 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
     kinds = {}
     params, buffers = {}, {}
     user_index = 0
-    inlined = _inline_scalar_constants(ep)
+    inlined = _inline_constants(ep)
     for spec in sig.input_specs:
         name = spec.arg.name
         k = spec.kind.name
@@ -268,8 +287,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
         elif k == "CONSTANT_TENSOR":
             raise AutoparError(
                 f"the model creates a constant tensor in forward ({spec.target}, e.g. a torch.tensor([...]) "
-                "literal); autopar needs it as a registered buffer (self.register_buffer(...)) so that every "
-                "rank can place it"
+                f"literal) of more than {SMALL_CONSTANT} elements; autopar needs it as a registered buffer "
+                "(self.register_buffer(...)) so that every rank can place it"
             )
         elif k == "USER_INPUT":
             kinds[name] = (NodeKind.INPUT, f"input[{user_index}]", user_index)

@@ -201,6 +201,43 @@ def test_verify_tolerance_follows_the_precision_the_model_computes_in():
     assert tolerance(3e-4, torch.bfloat16) == (3e-4, "")
 
 
+def test_small_constants_written_in_forward_become_factories():
+    """``x[..., [-2], :]`` (Falcon's head split) makes a constant index tensor
+    that torch.export lifts out of forward: up to SMALL_CONSTANT elements it
+    is rebuilt in the graph from its values (every rank alike), and the step
+    computes what the model does; a larger one must be a registered buffer."""
+    from autopar.capture import SMALL_CONSTANT, NodeKind, capture
+    from autopar.errors import AutoparError
+
+    class Picks(nn.Module):
+        def __init__(self, table: int):
+            super().__init__()
+            self.fc, self.table = nn.Linear(8, 8), table
+
+        def forward(self, x):
+            h = self.fc(x)[:, [-2, 0, 3], :]
+            return h * torch.tensor([[1.5], [-1.0], [2.0]]) + torch.arange(self.table).float().sum()
+
+    x = torch.randn(2, 4, 8)
+    model = Picks(4)
+    graph = capture(model, (x,))
+    assert not [n for n in graph.nodes.values() if n.kind is NodeKind.CONSTANT]
+    gm = graph.gm
+    fqn = {name: k for k, name in graph.params.items()}
+    params = dict(model.named_parameters())
+    args = [params[fqn[p.name]] if p.name in fqn else x for p in gm.graph.nodes if p.op == "placeholder"]
+    with torch.no_grad():
+        assert torch.equal(gm(*args)[0], model(x))
+
+    class Table(Picks):
+        def forward(self, x):
+            return self.fc(x) * torch.tensor([float(i) for i in range(SMALL_CONSTANT + 1)]).sum()
+
+    with pytest.raises(AutoparError, match=rf"constant tensor in forward .* of more than {SMALL_CONSTANT} elements; "
+                                           r"autopar needs it as a registered buffer"):
+        capture(Table(4), (x,))
+
+
 def test_verify_leaves_out_what_rounding_alone_moves():
     """An attention key's bias gets a gradient the softmax cancels (zero but
     for rounding), which Adam scales to +-lr steps: verify leaves it out of
@@ -222,8 +259,10 @@ def test_verify_leaves_out_what_rounding_alone_moves():
     initial = copy.deepcopy(model)
     model(x).square().mean().backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
-    assert rounding_only(grads, grads) == ["k.bias"]
-    assert rounding_only({**grads, "k.bias": torch.ones(8)}, grads) == []  # the program's is not noise: compared
+    noisy = {**grads, "k.bias": -grads["k.bias"]}  # another rounding of zero
+    assert rounding_only(noisy, grads, 1e-5) == ["k.bias"]
+    assert rounding_only(grads, grads, 1e-5) == []  # agreeing, even if tiny: compared
+    assert rounding_only({**grads, "k.bias": torch.ones(8)}, grads, 1e-5) == []  # the program's is not noise
     inputs, loss = (x, torch.zeros(2, 5, 8)), torch.nn.functional.mse_loss
     reference = copy.deepcopy(initial)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
