@@ -408,6 +408,13 @@ def _inline_regions(gm: fx.GraphModule, autocast: tuple | None = None) -> None:
             _splice(gm, n, sub, operands, detach=not enabled)
         elif n.target is _AUTOCAST:
             device, dtype, enabled, cache, sub, *operands = n.args
+            here = {a.meta["val"].device.type for a in operands if isinstance(a.meta.get("val"), torch.Tensor)}
+            if enabled and here and here != {device}:
+                warnings.warn(
+                    f"torch.autocast({device!r}, dtype={dtype}) at {_module_path(n) or 'the top level'} was traced "
+                    f"on {'/'.join(sorted(here))} tensors, which it does not cast: the block is planned and run in "
+                    f"the dtypes it computes in here (no {dtype} casts); capture the model on the device type it "
+                    "trains on", stacklevel=2)
             _inline_regions(getattr(gm, sub.target), (device, dtype, cache) if enabled else None)
             _splice(gm, n, sub, operands, detach=False)
         elif autocast is not None and isinstance(n.target, torch._ops.OpOverload) and n.target not in _CONVERSIONS:

@@ -398,7 +398,8 @@ def test_autocast_blocks_run_with_the_casts_autocast_makes():
     one device, gives the model's output bit for bit (in full precision it
     would not); a linear takes bfloat16 inputs, an einsum on float32
     inputs runs as its decomposition with the casts inside, and the block
-    that turns autocast off stays in float32."""
+    that turns autocast off stays in float32. A block traced on tensors
+    autocast does not cast (a model built on the meta device) warns."""
     from autopar.capture import capture
     model, inputs, _ = load_factory("tests/fixtures/opzoo.py:mixed_precision")
     graph = capture(model, inputs[:-1])
@@ -418,6 +419,23 @@ def test_autocast_blocks_run_with_the_casts_autocast_makes():
     assert [dtype[n.name] for n in nodes if n.op_name == "bmm"] == [torch.bfloat16]  # the first einsum, decomposed
     assert [n.op_name for n in nodes].count("einsum") == 2  # bfloat16 inputs already: kept whole
     assert {dtype[n.name] for n in nodes if n.op_name in ("pow", "rsqrt")} == {torch.float32}  # autocast off
+
+    class Meta(nn.Module):  # autocast casts no meta tensors: a model built on meta is told so
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc(x)
+
+    with torch.device("meta"):
+        meta, x = Meta(), torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"torch\.autocast\('cpu', dtype=torch\.bfloat16\) at the top level was "
+                                         r"traced on meta tensors, which it does not cast.*capture the model on the "
+                                         r"device type it trains on"):
+        graph = capture(meta, (x,))
+    assert {n.outputs[0].dtype for n in graph.nodes.values() if n.outputs and n.outputs[0]} == {torch.float32}
 
 
 def test_parameter_overwritten_in_forward_cond_and_data_dependent_shapes_are_refused_by_name():
