@@ -236,16 +236,17 @@ def test_op_families_the_examples_do_not_use(tmp_path):
 
 
 def test_hugging_face_models_train_like_one_device(tmp_path):
-    """tests/fixtures/hf.py: transformers' own Llama, Mixtral, GPT-2, BERT and
+    """tests/fixtures/hf.py: transformers' own Llama (also returning its own
+    loss over labels with ignored prompt tokens), Mixtral, GPT-2, BERT and
     T5 code (tiny configs), the solved plan and a random plan each on 4 ranks (one
     launch). Each carried something the examples do not: no_grad and
     autocast-off blocks, device moves, an empty KV cache, in-place writes to
     topk's values, a padding row under a vocabulary split, relative position
     buckets, cross-attention; the key biases' rounding-only gradients are
     named and left out of the parameter error."""
-    sources = [f"tests/fixtures/hf.py:{m}" for m in ("llama", "mixtral", "gpt2", "bert", "t5")]
+    sources = [f"tests/fixtures/hf.py:{m}" for m in ("llama", "llama_labels", "mixtral", "gpt2", "bert", "t5")]
     reports = verify(sources, "4", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 10
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 12
     for r in reports:
         tol = max(TOL, r["param_floor"])
         assert r["loss_rel"] <= TOL and r["grad"] <= TOL and r["param"] <= tol, r["label"]
