@@ -238,22 +238,23 @@ def test_op_families_the_examples_do_not_use(tmp_path):
 def test_hugging_face_models_train_like_one_device(tmp_path):
     """tests/fixtures/hf.py: transformers' own Llama (also returning its own
     loss over labels with ignored prompt tokens), Mixtral, GPT-2, BERT and
-    T5 code (tiny configs), the solved plan and a random plan each on 4 ranks (one
-    launch). Each carried something the examples do not: no_grad and
-    autocast-off blocks, device moves, an empty KV cache, in-place writes to
-    topk's values, a padding row under a vocabulary split, relative position
-    buckets, cross-attention; the key biases' rounding-only gradients are
-    named and left out of the parameter error."""
+    T5 code (tiny configs), the solved plan of each on 4 ranks (one launch;
+    docs/cli.md's command checks a random plan of these and 18 more
+    architectures too, and test_rules.py every rule's rows). Each carried
+    something the examples do not: no_grad and autocast-off blocks, device
+    moves, an empty KV cache, in-place writes to topk's values, a padding row
+    in the embeddings, relative position buckets, cross-attention; the key
+    biases' rounding-only gradients are named and left out of the parameter
+    error."""
     sources = [f"tests/fixtures/hf.py:{m}" for m in ("llama", "llama_labels", "mixtral", "gpt2", "bert", "t5")]
-    reports = verify(sources, "4", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 12
+    reports = verify(sources, "4", 4, tmp_path, random_plans=0)
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 6
     for r in reports:
         tol = max(TOL, r["param_floor"])
         assert r["loss_rel"] <= TOL and r["grad"] <= TOL and r["param"] <= tol, r["label"]
         if "bert" in r["source"]:
             assert r["rounding_only"] == [f"model.bert.encoder.layer.{i}.attention.self.key.bias" for i in (0, 1)]
-    solved = [r for r in reports if "solved" in r["label"]]
-    assert all(any(p != ["R"] for p in r["plan"]["parameters"].values()) for r in solved)
+    assert all(any(p != ["R"] for p in r["plan"]["parameters"].values()) for r in reports)
 
 
 def test_measured_step_of_the_collective_chain():
