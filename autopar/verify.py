@@ -251,8 +251,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--random-plans", type=int, default=0, help="also check N random valid plans")
     ap.add_argument("--local-inputs", action="store_true", help="feed each rank its own shard of the batch")
-    ap.add_argument("--tol", type=float, help="relative tolerance (default: 1e-5, or for a model computing in bfloat16 or "
-                    "float16, torch.testing.assert_close's default for that dtype: 1.6e-2, 1e-3)")
+    ap.add_argument("--tol", type=float, help="relative tolerance (default: 1e-5, or for a model computing in "
+                    "bfloat16 or float16, torch.testing.assert_close's default for that dtype: 1.6e-2, 1e-3)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
     ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
     ap.add_argument("--json", help="write the report here (rank 0)")
