@@ -437,35 +437,61 @@ def _drop_device_moves(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _splice(gm: fx.GraphModule, n: fx.Node, sub: fx.Node, operands: list, detach: bool) -> None:
-    """Replace the region call ``n`` by a copy of its subgraph's ops."""
-    body = getattr(gm, sub.target)
-    env = {}
+def _cast(gm: fx.GraphModule, x: fx.Node, dtype: torch.dtype, meta: dict) -> fx.Node:
+    """A ``_to_copy(x, dtype=dtype)`` node (inserted where the graph's
+    insertion point is), its meta ``meta`` with the cast fake value."""
+    cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": dtype})
+    with x.meta["val"].fake_mode:
+        cast.meta = {**meta, "val": x.meta["val"].to(dtype)}
+    return cast
+
+
+def _copy_in(gm: fx.GraphModule, n: fx.Node, graph: fx.Graph, inputs: list, meta: dict | None = None,
+             skip=frozenset()):
+    """Copy ``graph``'s ops into ``gm`` before ``n``, its placeholders bound
+    to ``inputs``, leaving out the ops whose target is in ``skip`` (each
+    copy's meta ``meta`` with its own fake value, where given); returns its
+    output, mapped."""
+    env = dict(zip([p for p in graph.nodes if p.op == "placeholder"], inputs))
     with gm.graph.inserting_before(n):
-        placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
-        for p, operand in zip(placeholders, operands):
-            if not detach:
-                env[p] = operand
+        for t in graph.nodes:
+            if t.op == "placeholder" or t.target in skip:
                 continue
-            cut = gm.graph.call_function(torch.ops.aten.detach.default, (operand,))
-            cut.meta = {**operand.meta, "val": operand.meta["val"].detach()}
-            env[p] = cut
-        results = None
-        for b in body.graph.nodes:
-            if b.op == "placeholder":
-                continue
-            if b.op == "output":
-                results = b.args[0]
-                break
-            env[b] = gm.graph.node_copy(b, lambda a: env[a])
-    outs = fx.node.map_arg(results, lambda a: env[a])
-    for u in list(n.users):  # getitem(region, k) -> the k-th result
-        u.replace_all_uses_with(outs[u.args[1]])
-        gm.graph.erase_node(u)
+            if t.op == "output":
+                return fx.node.map_arg(t.args[0], lambda a: env[a])
+            env[t] = gm.graph.node_copy(t, lambda a: env[a])
+            if meta is not None:
+                env[t].meta = {**meta, "val": t.meta.get("val")}
+
+
+def _replace_results(gm: fx.GraphModule, n: fx.Node, result) -> None:
+    """Point ``n``'s readers at ``result`` (for a tuple, each ``getitem(n, k)``
+    at its k-th node) and drop ``n``."""
+    if isinstance(result, fx.Node):
+        n.replace_all_uses_with(result)
+    else:
+        for u in list(n.users):
+            u.replace_all_uses_with(result[u.args[1]])
+            gm.graph.erase_node(u)
     gm.graph.erase_node(n)
+
+
+def _splice(gm: fx.GraphModule, n: fx.Node, sub: fx.Node, operands: list, detach: bool) -> None:
+    """Replace the region call ``n`` by a copy of its subgraph's ops (with
+    ``detach``, each operand cut from autograd first)."""
+    if detach:
+        with gm.graph.inserting_before(n):
+            operands = [_detached(gm, a) for a in operands]
+    _replace_results(gm, n, _copy_in(gm, n, getattr(gm, sub.target).graph, operands))
     if not sub.users:
         gm.graph.erase_node(sub)
         delattr(gm, sub.target)
+
+
+def _detached(gm: fx.GraphModule, x: fx.Node) -> fx.Node:
+    cut = gm.graph.call_function(torch.ops.aten.detach.default, (x,))
+    cut.meta = {**x.meta, "val": x.meta["val"].detach()}
+    return cut
 
 
 def _autocast_op(gm: fx.GraphModule, n: fx.Node, device: str, dtype: torch.dtype, cache: bool) -> None:
@@ -476,8 +502,9 @@ def _autocast_op(gm: fx.GraphModule, n: fx.Node, device: str, dtype: torch.dtype
     reductions and norms, the widest type for mixed inputs): it is read off by
     tracing the op alone under ``torch.autocast`` on fake tensors, where the
     casts show as ``_to_copy`` of its inputs. An op that autocast reaches only
-    inside its decomposition (``einsum``'s ``bmm``) casts mid-way, which no
-    input cast can write: capture refuses it by name."""
+    inside its decomposition (``einsum``'s ``bmm`` on float32 inputs) casts
+    mid-way, which no input cast can write: it is replaced by that traced
+    decomposition, casts included."""
     from torch.fx.experimental.proxy_tensor import make_fx
     slots = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not any(a.meta["val"].is_floating_point() for a in slots):
@@ -500,40 +527,14 @@ def _autocast_op(gm: fx.GraphModule, n: fx.Node, device: str, dtype: torch.dtype
                 casts[slot] = u.kwargs["dtype"]
                 cast_nodes.add(u)
     inner = [c for c in traced.graph.nodes if c.target is torch.ops.aten._to_copy.default and c not in cast_nodes]
-    if inner:
-        _splice_traced(gm, n, traced, slots)
+    if inner:  # cast mid-way: n becomes its traced decomposition
+        _replace_results(gm, n, _copy_in(gm, n, traced.graph, slots, n.meta, skip=ASSERTIONS))
         return
     with gm.graph.inserting_before(n):
         for slot, to in casts.items():
             if slot.meta["val"].dtype == to:
                 continue
-            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (slot,), {"dtype": to})
-            with slot.meta["val"].fake_mode:
-                cast.meta = {**n.meta, "val": slot.meta["val"].to(to)}
-            n.replace_input_with(slot, cast)
-
-
-def _splice_traced(gm: fx.GraphModule, n: fx.Node, traced: fx.GraphModule, slots: list) -> None:
-    """Replace op ``n`` by the ops of ``traced`` (its decomposition, traced
-    with ``n``'s tensor inputs ``slots`` as placeholders)."""
-    env = dict(zip([p for p in traced.graph.nodes if p.op == "placeholder"], slots))
-    result = None
-    with gm.graph.inserting_before(n):
-        for t in traced.graph.nodes:
-            if t.op == "placeholder" or t.target in ASSERTIONS:
-                continue
-            if t.op == "output":
-                result = fx.node.map_arg(t.args[0], lambda a: env[a])
-                break
-            env[t] = gm.graph.node_copy(t, lambda a: env[a])
-            env[t].meta = {**n.meta, "val": t.meta.get("val")}
-    if isinstance(result, fx.Node):
-        n.replace_all_uses_with(result)
-    else:
-        for u in list(n.users):  # getitem(op, k) -> the k-th result
-            u.replace_all_uses_with(result[u.args[1]])
-            gm.graph.erase_node(u)
-    gm.graph.erase_node(n)
+            n.replace_input_with(slot, _cast(gm, slot, to, n.meta))
 
 
 def _out_of_place(gm: fx.GraphModule, kinds: dict, fqns: dict) -> None:
@@ -611,10 +612,7 @@ def _run_out_of_place(gm: fx.GraphModule, n: fx.Node, functional) -> None:
     dst, src = n.args[0], n.args[1]
     if isinstance(src, fx.Node) and src.meta["val"].dtype != dst.meta["val"].dtype:
         with gm.graph.inserting_before(n):
-            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": dst.meta["val"].dtype})
-        with src.meta["val"].fake_mode:
-            cast.meta = {**src.meta, "val": src.meta["val"].to(dst.meta["val"].dtype)}
-        src = cast
+            src = _cast(gm, src, dst.meta["val"].dtype, src.meta)
     n.target, n.args, n.kwargs = torch.ops.aten.expand_as.default, (src, dst), {}
 
 
