@@ -100,19 +100,21 @@ def tolerance(requested: float | None, dtype: torch.dtype) -> tuple[float, str]:
     return rtol, f"{rtol:.2g} where the model computes in {name} (torch.testing.assert_close's default for {name})"
 
 
+def _first_few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def noise_note(names: list[str]) -> str:
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"note: {shown}: gradient zero up to rounding in both runs (no element above the rounding unit "
-            "times the largest gradient; the runs' disagree beyond the tolerance), which Adam scales to steps of "
-            "+-lr; their updates are left out of the parameter error")
+    return (f"note: {_first_few(names)}: gradient zero up to rounding in both runs (no element above the "
+            "rounding unit times the largest gradient; the runs disagree beyond the tolerance), which Adam scales "
+            "to steps of +-lr; their updates are left out of the parameter error")
 
 
 def random_note(draws: list[str]) -> str:
     """Why a model that draws random numbers cannot agree with one device bit for bit."""
-    shown = ", ".join(draws[:4]) + (f" and {len(draws) - 4} more" if len(draws) > 4 else "")
-    return (f"note: the model draws random numbers ({shown}); the parallel program draws them per shard from "
-            "the step's seed (like one device statistically, not bit for bit), so it cannot agree with one "
-            "device: check it with the draws off (dropout p=0, noise outside the model)")
+    return (f"note: the model draws random numbers ({_first_few(draws)}); the parallel program draws them per "
+            "shard from the step's seed (like one device statistically, not bit for bit), so it cannot agree with "
+            "one device: check it with the draws off (dropout p=0, noise outside the model)")
 
 
 def rounding_only(mine: dict, ref: dict, tol: float) -> list[str]:
@@ -165,8 +167,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     for step in range(steps):
         loss = _scalar(pmodel(*run_inputs))
         loss.backward()
-        out = reference(*inputs[:-1]) if loss_fn is not None else reference(*inputs)
-        ref_loss = _scalar(loss_fn(out, inputs[-1]) if loss_fn is not None else out)
+        ref_loss = _one_device_loss(reference, inputs, loss_fn)
         ref_loss.backward()
         report["loss"].append([loss.item(), ref_loss.item()])
         if step == 0:
@@ -188,8 +189,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     # absolute element difference is reported next to it.
     ref_state = reference.state_dict()
     keys = sorted(set(ref_state) - set(report["rounding_only"]))
-    report["param"] = _rel(torch.cat([state[k].flatten().double() for k in keys]),
-                           torch.cat([ref_state[k].flatten().double() for k in keys]))
+    report["param"] = _state_error(state, ref_state, keys)
     report["param_max_abs"] = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in keys)
     report["param_by_name"] = {k: _rel(state[k], ref_state[k]) for k in keys}
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
@@ -217,17 +217,27 @@ def _drift(model, inputs, loss_fn, steps: int, lr: float, noise: dict, seed: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        out = model(*inputs[:-1]) if loss_fn is not None else model(*inputs)
-        _scalar(loss_fn(out, inputs[-1]) if loss_fn is not None else out).backward()
+        _one_device_loss(model, inputs, loss_fn).backward()
         for k, p in model.named_parameters():
             if p.grad is not None and k in noise:
                 sign = torch.randint(0, 2, p.grad.shape, generator=g).to(p.grad.dtype) * 2 - 1
                 p.grad += sign * noise[k].to(p.grad.dtype)
         opt.step()
         opt.zero_grad()
-    state = model.state_dict()
+    return _state_error(model.state_dict(), ref_state, keys)
+
+
+def _state_error(state: dict, ref_state: dict, keys: list) -> float:
+    """||theta - theta_ref|| / ||theta_ref|| over the tensors ``keys``, in float64."""
     return _rel(torch.cat([state[k].flatten().double() for k in keys]),
                 torch.cat([ref_state[k].flatten().double() for k in keys]))
+
+
+def _one_device_loss(model, inputs, loss_fn):
+    """The step's loss on one device: ``loss_fn(model(*inputs[:-1]), inputs[-1])``
+    or, without a loss function, the model's own output made a scalar."""
+    out = model(*inputs[:-1]) if loss_fn is not None else model(*inputs)
+    return _scalar(loss_fn(out, inputs[-1]) if loss_fn is not None else out)
 
 
 def _scalar(x):

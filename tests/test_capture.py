@@ -201,6 +201,15 @@ def test_verify_tolerance_follows_the_precision_the_model_computes_in():
     assert tolerance(3e-4, torch.bfloat16) == (3e-4, "")
 
 
+def run_captured(graph, model, x):
+    """The captured step's graph run on one device: the model's parameters
+    and the one input ``x`` in its placeholders; its first output."""
+    fqn = {name: k for k, name in graph.params.items()}
+    params = dict(model.named_parameters())
+    return graph.gm(*[params[fqn[p.name]] if p.name in fqn else x
+                      for p in graph.gm.graph.nodes if p.op == "placeholder"])[0]
+
+
 def test_small_constants_written_in_forward_become_factories():
     """``x[..., [-2], :]`` (Falcon's head split) makes a constant index tensor
     that torch.export lifts out of forward: up to SMALL_CONSTANT elements it
@@ -222,12 +231,8 @@ def test_small_constants_written_in_forward_become_factories():
     model = Picks(4)
     graph = capture(model, (x,))
     assert not [n for n in graph.nodes.values() if n.kind is NodeKind.CONSTANT]
-    gm = graph.gm
-    fqn = {name: k for k, name in graph.params.items()}
-    params = dict(model.named_parameters())
-    args = [params[fqn[p.name]] if p.name in fqn else x for p in gm.graph.nodes if p.op == "placeholder"]
     with torch.no_grad():
-        assert torch.equal(gm(*args)[0], model(x))
+        assert torch.equal(run_captured(graph, model, x), model(x))
 
     class Table(Picks):
         def forward(self, x):
@@ -403,12 +408,8 @@ def test_autocast_blocks_run_with_the_casts_autocast_makes():
     from autopar.capture import capture
     model, inputs, _ = load_factory("tests/fixtures/opzoo.py:mixed_precision")
     graph = capture(model, inputs[:-1])
-    gm = graph.gm
-    fqn = {name: k for k, name in graph.params.items()}
-    params = dict(model.named_parameters())
-    args = [params[fqn[p.name]] if p.name in fqn else inputs[0] for p in gm.graph.nodes if p.op == "placeholder"]
     with torch.no_grad():
-        out = gm(*args)[0]
+        out = run_captured(graph, model, inputs[0])
         assert torch.equal(out, model(inputs[0]))
         exact = copy.deepcopy(model).double()(inputs[0].double())  # autocast leaves float64 alone
         assert (out.double() - exact).abs().max() > 1e-3  # so the equality is bfloat16's, not float32's
