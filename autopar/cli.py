@@ -93,6 +93,8 @@ def _verify(args) -> int:
         cmd += ["--plan", args.plan]
     if args.tol is not None:
         cmd += ["--tol", str(args.tol)]
+    if args.precision != "auto":
+        cmd += ["--precision", args.precision]
     print("$", " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun"), flush=True)
     return subprocess.call(cmd)
 
@@ -163,8 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--plan", help="check this plan.json instead of compiling")
     v.add_argument("--steps", type=int, default=2)
     v.add_argument("--random-plans", type=int, default=0)
-    v.add_argument("--tol", type=float, help="relative tolerance (default: 1e-5, or for a model computing in "
-                   "bfloat16 or float16, torch.testing.assert_close's default for that dtype)")
+    v.add_argument("--precision", default="auto", choices=["auto", "float64", "model"],
+                   help="auto (default): check a model that computes in float32 in float64, where rounding cannot "
+                   "hide a wrong result; float64: cast any model to float64; model: its own dtypes")
+    v.add_argument("--tol", type=float, help="relative tolerance (default: 1e-7 in float64, 1e-5 in float32, or "
+                   "for a model computing in bfloat16 or float16, torch.testing.assert_close's default for that dtype)")
     v.set_defaults(fn=_verify)
     o = sub.add_parser("ops", help="list the ops with a sharding rule, and what each rule splits")
     o.add_argument("query", nargs="?", help="only ops whose name contains this (e.g. lstm, softmax)")

@@ -41,17 +41,20 @@ RESHAPES = {
 }
 
 
-def check_plan_matches(graph: Graph, plan: Plan) -> None:
+def check_plan_matches(graph: Graph, plan: Plan, traced: Graph | None = None) -> None:
     """The plan is for this model, and each op's and parameter's placements are
     among those its sharding rule allows on the plan's mesh: a plan file
     edited by hand (or by another version) cannot run an op on shards where
-    the local op is not exact."""
-    fp = plan.model.get("fingerprint")
-    if fp != graph.fingerprint():
+    the local op is not exact. ``traced``: the graph the plan was compiled
+    from, when ``graph`` is the same step in other dtypes (see ``same_steps``)."""
+    fp, traced = plan.model.get("fingerprint"), traced or graph
+    if fp != traced.fingerprint():
         raise PlanError(
             f"the plan was compiled for a different model or input shapes (fingerprint {fp}, "
-            f"this model traces to {graph.fingerprint()}); recompile the plan for this model"
+            f"this model traces to {traced.fingerprint()}); recompile the plan for this model"
         )
+    if traced is not graph:
+        same_steps(traced, graph)
     from autopar.passes.enumerate import enumerate_strategies
     strategies, _ = enumerate_strategies(graph, plan.mesh.shape, warn=False)
     for spec in plan.nodes:
@@ -68,11 +71,27 @@ def check_plan_matches(graph: Graph, plan: Plan) -> None:
                 "recompile it")
 
 
-def build_program(graph: Graph, plan: Plan, local_inputs: bool = False) -> fx.GraphModule:
+def same_steps(a: Graph, b: Graph) -> None:
+    """``b`` is the step ``a`` traced to, node for node (names, ops, module
+    paths, inputs, output shapes), in other dtypes: the model and its inputs
+    cast to float64 to check a float32 plan (autopar.verify)."""
+    def steps(g):
+        return [(n.name, n.op_name, n.fqn, n.inputs, [o.shape for o in n.outputs]) for n in g.nodes.values()]
+    mine, theirs = steps(a), steps(b)
+    if mine != theirs:
+        first = next((x, y) for x, y in zip(mine + [None], theirs + [None]) if x != y)
+        raise PlanError(f"the model in other dtypes traces to a different step (first difference: {first[0]} "
+                        f"became {first[1]}); check the plan in the model's own dtype")
+
+
+def build_program(graph: Graph, plan: Plan, local_inputs: bool = False, traced: Graph | None = None) \
+        -> fx.GraphModule:
     """The per-rank program: a GraphModule whose forward takes the flat
     (parameters, buffers, inputs) and returns the flat outputs. Layers the plan
-    recomputes become submodules run under activation checkpointing."""
-    check_plan_matches(graph, plan)
+    recomputes become submodules run under activation checkpointing.
+    ``traced``: the graph the plan was compiled from, when ``graph`` is that
+    step in other dtypes (``check_plan_matches``)."""
+    check_plan_matches(graph, plan, traced)
     emit = _Emitter(graph, plan, local_inputs)
     regions = _recompute_regions(graph, plan)
     region_of = {name: i for i, names in enumerate(regions) for name in names}

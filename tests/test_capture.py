@@ -194,11 +194,44 @@ def test_verify_tolerance_follows_the_precision_the_model_computes_in():
     assert lowest_precision(mixed) == torch.bfloat16
     assert lowest_precision(capture(nn.Linear(8, 4), (torch.zeros(2, 8),))) == torch.float32
     assert tolerance(None, torch.float32) == (1e-5, "")
+    assert tolerance(None, torch.float64)[0] == 1e-7  # a float32 model checked in float64 (verify.widened)
     tol, why = tolerance(None, torch.bfloat16)
     assert tol == 0.016 and why == "0.016 where the model computes in bfloat16 (torch.testing.assert_close's default "\
         "for bfloat16)"
     assert tolerance(None, torch.float16)[0] == 1e-3
     assert tolerance(3e-4, torch.bfloat16) == (3e-4, "")
+
+
+def test_verify_checks_a_float32_model_in_float64_on_the_same_step():
+    """verify casts a float32 model and its inputs to float64 and runs the
+    float32 plan on it: the same step node for node, or a PlanError. Casts the
+    model writes itself stay, and the check runs at the precision they leave."""
+    from autopar.capture import capture
+    from autopar.codegen import same_steps
+    from autopar.errors import PlanError
+    from autopar.verify import lowest_precision, widened
+
+    model, inputs, loss_fn = load_factory("examples/gpt.py:small")
+    wide, wide_inputs = widened(model, inputs)
+    assert all(p.dtype == torch.float64 for p in wide.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the user's model is left alone
+    assert wide_inputs[1].dtype == inputs[1].dtype  # token ids stay integers
+    narrow, wide_graph = capture(model, inputs, loss_fn), capture(wide, wide_inputs, loss_fn)
+    same_steps(narrow, wide_graph)
+    assert lowest_precision(wide_graph) == torch.float64
+
+    class Rounds(nn.Module):  # computes in float32 whatever its parameters are
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x).float().sum(-1)
+
+    x = torch.randn(2, 8)
+    assert lowest_precision(capture(*widened(Rounds(), (x,)))) == torch.float32
+    with pytest.raises(PlanError, match="traces to a different step"):
+        same_steps(narrow, capture(Rounds(), (x,)))
 
 
 def run_captured(graph, model, x):

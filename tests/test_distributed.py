@@ -213,6 +213,29 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
                        for k, s in r["plan"]["strategies"].items()), r["label"]
 
 
+def test_resnet50_layout_under_plans_that_split_batch_norms_and_convolutions(tmp_path):
+    """ResNet-50's layout (tests/fixtures/resnet.py: 3-4-6-3 bottlenecks, batch
+    norm after every convolution, stride on the 3x3) on a 2x2 mesh, the
+    solved plan and a random plan: batch norms on split batches and on split
+    channels, convolutions that leave partial sums. (Mesh 4 and the repro's
+    own plan: docs/validation.md.) Rounding alone moves
+    this model's float32 gradients by more than 1e-5 on one device (a ReLU
+    flips near zero), which a float32 check cannot tell from a rule error
+    (issue 31's ResNet-50 repro: 1.3e-2 in float32, 2.5e-13 in float64):
+    verify checks it in float64, to 1e-7."""
+    reports = verify("tests/fixtures/resnet.py:narrow", "2x2", 4, tmp_path)
+    assert ["random" in r["label"] for r in reports] == [False, True]
+    for r in reports:
+        assert r["dtype"] == "torch.float64" and r["tol"] == 1e-7, r["label"]
+        assert r["float32_rounding"] > TOL, r["label"]
+        assert any(set(p) != {"R"} for p in r["plan"]["parameters"].values()), f"{r['label']}: shards nothing"
+    assert_agrees(reports)
+    for r in reports:
+        placed = r["plan"]["strategies"].items()
+        assert any(k.startswith("conv2d") and "P" in s.split("-> ")[1] for k, s in placed), r["label"]
+        assert any(k.startswith("batch_norm") and "S(1)" in s.split(", ")[0] for k, s in placed), r["label"]
+
+
 def test_op_families_the_examples_do_not_use(tmp_path):
     """tests/fixtures/opzoo.py: group, instance and two-dim layer norm, gather,
     scatter_add, topk, variance, logsumexp, norms, padding, flip, roll,
