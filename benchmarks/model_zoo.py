@@ -306,30 +306,34 @@ def _here(name, code_base, kind):
     return Entry(name, code_base, kind, f"{HERE}:{name}")
 
 
-ZOO = [
-    *(_fixture(n, "decoder LM") for n in ("llama", "gpt2", "gemma", "gemma2", "phi3", "opt", "gpt_neox", "falcon",
-                                           "bloom", "olmo", "stablelm")),
-    *(_here(n, "transformers", "decoder LM") for n in ("hf_mistral", "hf_qwen3", "hf_gpt_neo")),
-    *(_fixture(n, "MoE decoder LM") for n in ("mixtral", "qwen2_moe")),
-    *(_here(n, "transformers", "MoE decoder LM") for n in ("hf_deepseek_v3", "hf_olmoe")),
-    *(_fixture(n, "encoder") for n in ("bert", "roberta", "distilbert", "deberta", "electra")),
-    _here("hf_albert", "transformers", "encoder"),
-    _fixture("t5", "encoder-decoder"),
-    _here("hf_bart", "transformers", "encoder-decoder"),
-    *(_fixture(n, "vision") for n in ("swin", "deit", "convnext", "resnet")),
-    *(_here(n, "transformers", "vision") for n in ("hf_vit", "hf_beit", "hf_regnet", "hf_mobilenet_v2")),
-    _here("hf_whisper", "transformers", "audio encoder-decoder"),
-    _here("hf_wav2vec2", "transformers", "audio"),
+ZOO = [  # models new to this project first, then those of tests/fixtures/hf.py
     _here("xt_decoder", "x-transformers", "decoder LM"),
+    _here("perceiver", "perceiver-pytorch", "vision"),
+    _here("mlp_mixer", "mlp-mixer-pytorch", "vision"),
+    _here("hf_vit", "transformers", "vision"),
+    _here("hf_whisper", "transformers", "audio encoder-decoder"),
+    _here("hf_deepseek_v3", "transformers", "MoE decoder LM"),
     _here("xt_encoder", "x-transformers", "encoder"),
+    _here("perceiver_lm", "perceiver-pytorch", "decoder LM"),
+    _here("permutator", "mlp-mixer-pytorch", "vision"),
+    _here("hf_bart", "transformers", "encoder-decoder"),
+    _here("hf_wav2vec2", "transformers", "audio"),
+    _here("hf_olmoe", "transformers", "MoE decoder LM"),
     _here("xt_encdec", "x-transformers", "encoder-decoder"),
     _here("xt_vit", "x-transformers", "vision"),
-    _here("perceiver", "perceiver-pytorch", "vision"),
-    _here("perceiver_lm", "perceiver-pytorch", "decoder LM"),
-    _here("mlp_mixer", "mlp-mixer-pytorch", "vision"),
-    _here("permutator", "mlp-mixer-pytorch", "vision"),
+    *(_here(n, "transformers", "decoder LM") for n in ("hf_mistral", "hf_qwen3", "hf_gpt_neo")),
+    _here("hf_albert", "transformers", "encoder"),
+    *(_here(n, "transformers", "vision") for n in ("hf_beit", "hf_regnet", "hf_mobilenet_v2")),
+    *(_fixture(n, "vision") for n in ("resnet", "convnext", "swin", "deit")),
+    _fixture("t5", "encoder-decoder"),
+    *(_fixture(n, "MoE decoder LM") for n in ("mixtral", "qwen2_moe")),
+    *(_fixture(n, "encoder") for n in ("bert", "roberta", "distilbert", "deberta", "electra")),
+    *(_fixture(n, "decoder LM") for n in ("llama", "gpt2", "gemma", "gemma2", "phi3", "opt", "gpt_neox", "falcon",
+                                           "bloom", "olmo", "stablelm")),
 ]
 
+
+PLANS = ("solved", "random")
 
 # --------------------------------------------------------------------------
 # Plans (this process): compile time, coverage, the fraction sharded, and a
@@ -370,9 +374,11 @@ def sharding_plan(model, inputs, loss_fn, mesh: str, cluster: str, min_sharded: 
     return best
 
 
-def plan_model(entry: Entry, meshes: list, cluster: str, min_sharded: float, seeds: int, work: str) -> dict:
-    """Compile ``entry`` for every mesh and draw its sharding plans; the plans
-    are saved under ``work`` for the checks."""
+def plan_model(entry: Entry, meshes: list, cluster: str, min_sharded: float, seeds: int, work: str,
+               plans: tuple = PLANS, time_limit_s: float = 10.0) -> dict:
+    """Compile ``entry`` for every mesh (without recomputation, which models
+    this small never need; the solver stopped after ``time_limit_s``) and draw
+    its sharding plans; the plans are saved under ``work`` for the checks."""
     from autopar.compiler import compile as compile_plan
     from autopar.runtime import load_factory
     row = {"name": entry.name, "code_base": entry.code_base, "kind": entry.kind, "source": entry.source,
@@ -389,21 +395,25 @@ def plan_model(entry: Entry, meshes: list, cluster: str, min_sharded: float, see
     for mesh in meshes:
         r = row["meshes"][mesh] = {}
         tag = f"{entry.name}.{mesh}"
-        start = time.perf_counter()
-        try:
-            plan = compile_plan(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, source=entry.source)
-        except Exception as e:
-            r["compile_error"] = _error(e)
+        if "solved" in plans:
+            start = time.perf_counter()
+            try:
+                plan = compile_plan(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
+                                    source=entry.source, time_limit_s=time_limit_s, recompute="none")
+            except Exception as e:
+                r["compile_error"] = _error(e)
+                continue
+            finally:
+                r["compile_s"] = time.perf_counter() - start
+            r["nodes"] = len(plan.nodes)
+            r["fallbacks"] = sorted({f["op"] for f in plan.fallbacks})
+            r["fallback_nodes"] = len(plan.fallbacks)
+            r["solver"] = plan.solver.get("status")
+            r["sharded"] = sharded_fraction(plan)
+            r["solved_plan"] = os.path.join(work, f"{tag}.solved.json")
+            plan.save(r["solved_plan"])
+        if "random" not in plans:
             continue
-        finally:
-            r["compile_s"] = time.perf_counter() - start
-        r["nodes"] = len(plan.nodes)
-        r["fallbacks"] = sorted({f["op"] for f in plan.fallbacks})
-        r["fallback_nodes"] = len(plan.fallbacks)
-        r["solver"] = plan.solver.get("status")
-        r["sharded"] = sharded_fraction(plan)
-        r["solved_plan"] = os.path.join(work, f"{tag}.solved.json")
-        plan.save(r["solved_plan"])
         try:
             seed, fraction, rplan = sharding_plan(model, inputs, loss_fn, mesh, cluster, min_sharded, seeds)
         except Exception as e:
@@ -481,7 +491,8 @@ def run_checks(jobs: list, work: str, group: int, job_timeout: float, nproc: int
     A job that runs past ``job_timeout`` or takes its launch down is recorded
     as failed (a launch that lost a rank process to the machine gets one more
     try) and the rest of its group goes on in the next launch."""
-    results, pending, tries, launch = {}, list(jobs), {}, 0
+    results, pending, tries = {}, list(jobs), {}
+    launch = sum(1 for f in os.listdir(work) if f.endswith(".jobs"))  # earlier calls' launches keep their files
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     while pending:
         batch, launch = pending[:group], launch + 1
@@ -528,9 +539,6 @@ def run_checks(jobs: list, work: str, group: int, job_timeout: float, nproc: int
 # The table.
 # --------------------------------------------------------------------------
 
-PLANS = ("solved", "random")
-
-
 def _verdict(c: dict | None) -> str:
     if c is None:
         return "not run"
@@ -556,9 +564,11 @@ def table(rows: list, meshes: list) -> list[str]:
             if "compile_error" in r:
                 out.append(f"{head} | {mesh} | {r['compile_s']:.1f} | | | | compile ERROR | | |")
                 continue
-            ops = ", ".join(f"`{op}`" for op in r["fallbacks"]) or "none"
+            ops = ", ".join(f"`{op}`" for op in r.get("fallbacks", [])) or "none"
             random = f"{r['random_seed']}: {r['random_sharded']:.0%}" if "random_seed" in r else "ERROR"
-            out.append(f"{head} | {mesh} | {r['compile_s']:.1f} | {r['nodes']} | {ops} | {r['sharded']:.0%} "
+            solver = "" if r.get("solver") == "OPTIMAL" else f" ({r.get('solver', 'not compiled')})"
+            out.append(f"{head} | {mesh} | {r.get('compile_s', 0):.1f}{solver} | {r.get('nodes', '')} | {ops} "
+                       f"| {r.get('sharded', 0):.0%} "
                        f"| {_verdict(r.get('checks', {}).get('solved'))} | {random} "
                        f"| {_verdict(r.get('checks', {}).get('random'))} |")
     return out
@@ -654,6 +664,29 @@ def markdown(rows: list, meshes: list, args, command: str, wall_s: float) -> str
     return "\n".join(lines)
 
 
+def check_rows(rows: list, args, work: str) -> None:
+    """Check the plans of ``rows`` on ``args.nproc`` ranks; each result lands in its row."""
+    jobs = [{"key": f"{row['name']}|{mesh}|{plan}", "source": row["source"], "mesh": mesh, "cluster": args.cluster,
+             "plan": r[f"{plan}_plan"]}
+            for row in rows for mesh, r in row["meshes"].items() for plan in PLANS if f"{plan}_plan" in r]
+    if not jobs:
+        return
+    print(f"checking {len(jobs)} plans on {args.nproc} ranks ({work})", flush=True)
+    for key, result in run_checks(jobs, work, args.group, args.job_timeout, args.nproc).items():
+        name, mesh, plan = key.split("|")
+        next(r for r in rows if r["name"] == name)["meshes"][mesh].setdefault("checks", {})[plan] = result
+
+
+def _write(rows: list, meshes: list, args, argv, wall_s: float) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.write:
+        command = "python benchmarks/model_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.write, "w") as f:
+            f.write(markdown(rows, meshes, args, command.strip(), wall_s))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", help="comma-separated names (default: every model); --list lists them")
@@ -662,8 +695,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default="dgx-a100", help="cluster the solved plans are compiled for")
     ap.add_argument("--min-sharded", type=float, default=0.5,
                     help="fraction of the parameters' elements a sharding plan must split (default 0.5)")
+    ap.add_argument("--plans", default="solved,random",
+                    help="plans to make and check: solved, random or both (default)")
+    ap.add_argument("--time-limit", type=float, default=10.0,
+                    help="the solver's time limit per compile, in seconds (default 10; a plan it stopped "
+                    "early on reads FEASIBLE in the table)")
     ap.add_argument("--seeds", type=int, default=20, help="random plans to try for a sharding plan")
-    ap.add_argument("--group", type=int, default=12, help="checks per torchrun launch")
+    ap.add_argument("--group", type=int, default=16, help="checks per torchrun launch")
     ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds before a check counts as hung")
     ap.add_argument("--nproc", type=int, default=4, help="ranks per launch (the meshes' size)")
     ap.add_argument("--no-checks", action="store_true", help="plans only: compile time, coverage, sharding")
@@ -690,29 +728,21 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     start = time.perf_counter()
     rows = []
-    for entry in chosen:
-        t = time.perf_counter()
-        rows.append(plan_model(entry, meshes, args.cluster, args.min_sharded, args.seeds, work))
-        print(f"planned {entry.name} ({time.perf_counter() - t:.1f} s)", flush=True)
-    jobs = [{"key": f"{row['name']}|{mesh}|{plan}", "source": row["source"], "mesh": mesh, "cluster": args.cluster,
-             "plan": r[f"{plan}_plan"]}
-            for row in rows for mesh, r in row["meshes"].items() for plan in PLANS if f"{plan}_plan" in r]
-    if not args.no_checks and jobs:
-        print(f"checking {len(jobs)} plans on {args.nproc} ranks ({work})", flush=True)
-        for key, result in run_checks(jobs, work, args.group, args.job_timeout, args.nproc).items():
-            name, mesh, plan = key.split("|")
-            next(r for r in rows if r["name"] == name)["meshes"][mesh].setdefault("checks", {})[plan] = result
-    wall = time.perf_counter() - start
+    chunk = max(1, args.group // (2 * len(meshes)))  # models per launch: a solved and a sharding plan per mesh
+    for i in range(0, len(chosen), chunk):
+        batch = []
+        for entry in chosen[i:i + chunk]:
+            t = time.perf_counter()
+            batch.append(plan_model(entry, meshes, args.cluster, args.min_sharded, args.seeds, work,
+                                    tuple(args.plans.split(",")), args.time_limit))
+            print(f"planned {entry.name} ({time.perf_counter() - t:.1f} s)", flush=True)
+        rows += batch
+        if not args.no_checks:
+            check_rows(batch, args, work)
+        _write(rows, meshes, args, argv, time.perf_counter() - start)  # after every chunk: a stop keeps the rest
     print("\n".join(table(rows, meshes)))
     print("\n".join(["", *summary(rows, meshes), "", *failures(rows)]))
-    print(f"wall time {wall:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.write:
-        command = "python benchmarks/model_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(args.write, "w") as f:
-            f.write(markdown(rows, meshes, args, command.strip(), wall))
+    print(f"wall time {time.perf_counter() - start:.0f} s")
     return 0
 
 
