@@ -358,14 +358,15 @@ def _error(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def sharding_plan(model, inputs, loss_fn, mesh: str, cluster: str, min_sharded: float, seeds: int):
+def sharding_plan(source: str, mesh: str, cluster: str, min_sharded: float, seeds: int):
     """The first random valid plan (seeds 0, 1, ...) that splits at least
     ``min_sharded`` of the parameters, else the one that splits the most:
-    (seed, fraction, plan)."""
+    (seed, fraction, plan); each drawn on a freshly built model."""
+    from autopar.runtime import load_factory
     from autopar.verify import random_plan
     best = None
     for seed in range(seeds):
-        plan = random_plan(model, inputs, loss_fn, mesh, cluster, seed)
+        plan = random_plan(*load_factory(source), mesh, cluster, seed)
         fraction = sharded_fraction(plan)
         if best is None or fraction > best[1]:
             best = (seed, fraction, plan)
@@ -398,24 +399,27 @@ def plan_model(entry: Entry, meshes: list, cluster: str, min_sharded: float, see
         if "solved" in plans:
             start = time.perf_counter()
             try:
+                # A fresh model for every trace, as each check builds one: a model may change itself in
+                # its first forward (x-transformers' ALiBi registers its bias as a buffer), and a plan
+                # fits the model it was traced from.
+                model, inputs, loss_fn = load_factory(entry.source)
                 plan = compile_plan(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
                                     source=entry.source, time_limit_s=time_limit_s, recompute="none")
-            except Exception as e:
+            except Exception as e:  # no solved plan; the sharding plan is still drawn and checked
                 r["compile_error"] = _error(e)
-                continue
-            finally:
-                r["compile_s"] = time.perf_counter() - start
-            r["nodes"] = len(plan.nodes)
-            r["fallbacks"] = sorted({f["op"] for f in plan.fallbacks})
-            r["fallback_nodes"] = len(plan.fallbacks)
-            r["solver"] = plan.solver.get("status")
-            r["sharded"] = sharded_fraction(plan)
-            r["solved_plan"] = os.path.join(work, f"{tag}.solved.json")
-            plan.save(r["solved_plan"])
+            else:
+                r["nodes"] = len(plan.nodes)
+                r["fallbacks"] = sorted({f["op"] for f in plan.fallbacks})
+                r["fallback_nodes"] = len(plan.fallbacks)
+                r["solver"] = plan.solver.get("status")
+                r["sharded"] = sharded_fraction(plan)
+                r["solved_plan"] = os.path.join(work, f"{tag}.solved.json")
+                plan.save(r["solved_plan"])
+            r["compile_s"] = time.perf_counter() - start
         if "random" not in plans:
             continue
         try:
-            seed, fraction, rplan = sharding_plan(model, inputs, loss_fn, mesh, cluster, min_sharded, seeds)
+            seed, fraction, rplan = sharding_plan(entry.source, mesh, cluster, min_sharded, seeds)
         except Exception as e:
             r["random_error"] = _error(e)
             continue
@@ -561,15 +565,13 @@ def table(rows: list, meshes: list) -> list[str]:
             continue
         for mesh in meshes:
             r = row["meshes"][mesh]
-            if "compile_error" in r:
-                out.append(f"{head} | {mesh} | {r['compile_s']:.1f} | | | | compile ERROR | | |")
-                continue
             ops = ", ".join(f"`{op}`" for op in r.get("fallbacks", [])) or "none"
             random = f"{r['random_seed']}: {r['random_sharded']:.0%}" if "random_seed" in r else "ERROR"
             solver = "" if r.get("solver") == "OPTIMAL" else f" ({r.get('solver', 'not compiled')})"
             out.append(f"{head} | {mesh} | {r.get('compile_s', 0):.1f}{solver} | {r.get('nodes', '')} | {ops} "
-                       f"| {r.get('sharded', 0):.0%} "
-                       f"| {_verdict(r.get('checks', {}).get('solved'))} | {random} "
+                       f"| {format(r['sharded'], '.0%') if 'sharded' in r else ''} "
+                       f"| {'compile ERROR' if 'compile_error' in r else _verdict(r.get('checks', {}).get('solved'))} "
+                       f"| {random} "
                        f"| {_verdict(r.get('checks', {}).get('random'))} |")
     return out
 
@@ -642,6 +644,10 @@ def markdown(rows: list, meshes: list, args, command: str, wall_s: float) -> str
         "plan, and a sharding plan: the first random valid plan (every node a random strategy; seed 0, 1, ...) "
         f"that splits at least {args.min_sharded:.0%} of the parameters' elements.",
         "",
+        *([f"Rows kept from an earlier run of the same script (`--resume`; their times are that run's): "
+           f"{', '.join(args.resumed)}.", ""] if args.resumed else []),
+        *([f"Not run (the run stopped at its `--budget` of {args.budget:g} min): {', '.join(args.not_run)}.", ""]
+          if args.not_run else []),
         "## Summary",
         "",
         *summary(rows, meshes),
@@ -677,6 +683,13 @@ def check_rows(rows: list, args, work: str) -> None:
         next(r for r in rows if r["name"] == name)["meshes"][mesh].setdefault("checks", {})[plan] = result
 
 
+def _complete(row: dict, meshes: list) -> bool:
+    """A row from an earlier run that this one can keep: the model could not
+    be built, or every mesh has its plans compiled and checked."""
+    return "error" in row or all(m in row["meshes"] and "random" in row["meshes"][m].get("checks", {}) and (
+        "compile_error" in row["meshes"][m] or "solved" in row["meshes"][m]["checks"]) for m in meshes)
+
+
 def _write(rows: list, meshes: list, args, argv, wall_s: float) -> None:
     if args.json:
         with open(args.json, "w") as f:
@@ -706,12 +719,17 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=4, help="ranks per launch (the meshes' size)")
     ap.add_argument("--no-checks", action="store_true", help="plans only: compile time, coverage, sharding")
     ap.add_argument("--workdir", help="where plans and launch logs go (default: a temporary directory)")
-    ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--json", help="write the rows as JSON here (after every launch)")
+    ap.add_argument("--resume", help="a --json file of an earlier run: its models checked on every mesh are kept, "
+                    "not run again")
+    ap.add_argument("--budget", type=float, help="minutes: start no more launches after this; the table lists "
+                    "the models not run")
     ap.add_argument("--write", help="write the table as markdown here (docs/coverage.md)")
     ap.add_argument("--ranks", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--progress", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.not_run, args.resumed = [], []
     if args.ranks:
         rank_main(args.ranks, args.results, args.progress)
         return 0
@@ -727,19 +745,30 @@ def main(argv=None) -> int:
     work = args.workdir or tempfile.mkdtemp(prefix="autopar-zoo-")
     os.makedirs(work, exist_ok=True)
     start = time.perf_counter()
-    rows = []
+    resumed = {}
+    if args.resume and os.path.exists(args.resume):
+        with open(args.resume) as f:
+            resumed = {r["name"]: r for r in json.load(f) if _complete(r, meshes)}
+    rows = [resumed[e.name] for e in chosen if e.name in resumed]
+    todo = [e for e in chosen if e.name not in resumed]
     chunk = max(1, args.group // (2 * len(meshes)))  # models per launch: a solved and a sharding plan per mesh
-    for i in range(0, len(chosen), chunk):
+    for i in range(0, len(todo), chunk):
+        if args.budget and time.perf_counter() - start > args.budget * 60:
+            args.not_run = [e.name for e in todo[i:]]
+            break
         batch = []
-        for entry in chosen[i:i + chunk]:
+        for entry in todo[i:i + chunk]:
             t = time.perf_counter()
             batch.append(plan_model(entry, meshes, args.cluster, args.min_sharded, args.seeds, work,
                                     tuple(args.plans.split(",")), args.time_limit))
-            print(f"planned {entry.name} ({time.perf_counter() - t:.1f} s)", flush=True)
+            batch[-1]["plan_s"] = time.perf_counter() - t
+            print(f"planned {entry.name} ({batch[-1]['plan_s']:.1f} s)", flush=True)
         rows += batch
         if not args.no_checks:
             check_rows(batch, args, work)
         _write(rows, meshes, args, argv, time.perf_counter() - start)  # after every chunk: a stop keeps the rest
+    args.resumed = sorted(resumed.keys() & {e.name for e in chosen})
+    _write(rows, meshes, args, argv, time.perf_counter() - start)
     print("\n".join(table(rows, meshes)))
     print("\n".join(["", *summary(rows, meshes), "", *failures(rows)]))
     print(f"wall time {time.perf_counter() - start:.0f} s")
