@@ -722,6 +722,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows as JSON here (after every launch)")
     ap.add_argument("--resume", help="a --json file of an earlier run: its models checked on every mesh are kept, "
                     "not run again")
+    ap.add_argument("--rerun", default="", help="comma-separated models to run again although --resume has them")
     ap.add_argument("--budget", type=float, help="minutes: start no more launches after this; the table lists "
                     "the models not run")
     ap.add_argument("--write", help="write the table as markdown here (docs/coverage.md)")
@@ -729,7 +730,7 @@ def main(argv=None) -> int:
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--progress", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.not_run, args.resumed = [], []
+    args.not_run, args.resumed, args.rerun = [], [], set(args.rerun.split(",")) - {""}
     if args.ranks:
         rank_main(args.ranks, args.results, args.progress)
         return 0
@@ -748,7 +749,7 @@ def main(argv=None) -> int:
     resumed = {}
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
-            resumed = {r["name"]: r for r in json.load(f) if _complete(r, meshes)}
+            resumed = {r["name"]: r for r in json.load(f) if _complete(r, meshes) and r["name"] not in args.rerun}
     rows = [resumed[e.name] for e in chosen if e.name in resumed]
     todo = [e for e in chosen if e.name not in resumed]
     chunk = max(1, args.group // (2 * len(meshes)))  # models per launch: a solved and a sharding plan per mesh
@@ -768,6 +769,8 @@ def main(argv=None) -> int:
             check_rows(batch, args, work)
         _write(rows, meshes, args, argv, time.perf_counter() - start)  # after every chunk: a stop keeps the rest
     args.resumed = sorted(resumed.keys() & {e.name for e in chosen})
+    order = {e.name: i for i, e in enumerate(ZOO)}
+    rows.sort(key=lambda r: order[r["name"]])
     _write(rows, meshes, args, argv, time.perf_counter() - start)
     print("\n".join(table(rows, meshes)))
     print("\n".join(["", *summary(rows, meshes), "", *failures(rows)]))
