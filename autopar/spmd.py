@@ -21,7 +21,7 @@ import math
 import threading
 import weakref
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
@@ -75,8 +75,11 @@ def _spec(text: str, ndim: int) -> tuple:
 
 
 def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
-    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``
-    (the gradient all-reduce / reduce-scatter happens here, in backward).
+    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``.
+    The reduction over the mesh axes the parameter is replicated on is left to
+    the step's ``GradSync`` (bucketed all-reduces launched during backward) or,
+    in a pipeline step, to ``GradAccumulation``; without either, and for the
+    axes that shard it (ZeRO's reduce-scatter), it happens here, in backward.
 
     ``regather`` (ZeRO-3): the full copies ``reshard`` gathers from it are not
     kept for backward; ops that save them save a note instead, and backward
@@ -84,14 +87,18 @@ def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
     mesh = _mesh()
     placements = _spec(spec, mesh.ndim)
     acc = getattr(_state, "accumulation", None)
-    axes = () if acc is None or not local.requires_grad else \
+    sync = getattr(_state, "grad_sync", None) if acc is None and torch.is_grad_enabled() else None
+    axes = () if (acc is None and sync is None) or not local.requires_grad else \
         tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
     if not axes:
         dt = DTensor.from_local(local, mesh, placements, run_check=False)
         if regather:
             dt._autopar_regather = True
         return dt
-    acc.pending[local] = axes
+    if acc is not None:
+        acc.pending[local] = axes
+    else:
+        sync.add(local, axes)
     keep = tuple(Partial() if a in axes else p for a, p in enumerate(placements))
     dt = DTensor.from_local(local, mesh, placements, run_check=False, grad_placements=keep)
     dt._autopar_deferred = axes
@@ -134,6 +141,132 @@ class GradAccumulation:
                 count += 1
         self.pending.clear()
         return count
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DistributedDataParallel's default ``bucket_cap_mb`` (25 MiB)."""
+
+
+def grad_sync(mesh, bucket_bytes: int | None = DDP_BUCKET_BYTES):
+    """Inside this ``with`` block (one forward), the gradients of parameters
+    replicated over mesh axes are reduced by one ``GradSync`` during the
+    backward that follows; ``bucket_bytes`` None: one blocking all-reduce per
+    parameter in its ``DTensor.from_local``'s backward, as before buckets."""
+    return _scoped("grad_sync", GradSync(mesh, bucket_bytes) if bucket_bytes else None)
+
+
+class GradSync:
+    """Gradient synchronisation of replicated parameters, the way DDP's reducer
+    does it (Li et al., VLDB 2020, sec. 3.2): the parameters a forward uses
+    (``param``) are put in buckets of about ``bucket_bytes``, in reverse order
+    of first use (the order backward makes their gradients), one mesh-axis
+    group and dtype per bucket. Backward leaves each gradient a local partial
+    sum (``GradAccumulation``'s deferred placements); when every gradient of
+    a bucket has been accumulated, the bucket is flattened and all-reduced
+    asynchronously while backward goes on, and at the end of backward (an
+    autograd engine callback) every bucket is waited on and written back to
+    ``.grad``. Buckets launch in index order on every rank, so their
+    collectives match whatever order autograd finishes gradients in.
+
+    A gradient accumulated over several backwards keeps its exact sum: the
+    ``.grad`` already there is set aside before the new one is accumulated,
+    and added back to the reduced new one (as one device adds them)."""
+
+    def __init__(self, mesh, bucket_bytes: int):
+        self.mesh, self.bucket_bytes = mesh, bucket_bytes
+        self.params: dict = {}  # local parameter -> mesh axes to reduce over, in order of first use
+        self.buckets: list | None = None
+        self.ready: set = set()
+        self.stashed: dict = {}
+        self.launched = 0
+        self.queued = False
+
+    def add(self, local: torch.Tensor, axes: tuple) -> None:
+        if local in self.params:  # tied weights: one tensor, one gradient
+            return
+        self.params[local] = axes
+        local._autopar_sync = self
+        if getattr(local, "_autopar_sync_hooks", None) is None:
+            ref = weakref.ref(local)
+            local._autopar_sync_hooks = (local.register_hook(functools.partial(_arriving, ref)),
+                                         local.register_post_accumulate_grad_hook(_accumulated))
+
+    def _plan(self) -> list:
+        buckets, current = [], {}
+        for local, axes in reversed(self.params.items()):
+            key = (axes, local.dtype)
+            bucket = current.get(key)
+            if bucket is None or bucket.nbytes >= self.bucket_bytes:
+                bucket = current[key] = _Bucket(axes)
+                buckets.append(bucket)
+            bucket.members.append(local)
+            bucket.nbytes += local.numel() * local.element_size()
+        return buckets
+
+    def arriving(self, local: torch.Tensor) -> None:
+        """A gradient for ``local`` is about to be accumulated."""
+        if not self.queued:
+            self.queued = True
+            self.buckets = self._plan()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        if local.grad is not None:
+            self.stashed[local], local.grad = local.grad, None
+
+    def accumulated(self, local: torch.Tensor) -> None:
+        self.ready.add(local)
+        while self.launched < len(self.buckets) and all(m in self.ready for m in self.buckets[self.launched].members):
+            self._launch(self.buckets[self.launched])
+
+    def _launch(self, bucket) -> None:
+        grads = [m.grad.reshape(-1) if m in self.ready else m.new_zeros(m.numel()) for m in bucket.members]
+        bucket.flat = torch.cat(grads) if len(grads) > 1 else grads[0]  # one contiguous gradient: in place
+        bucket.work = torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(bucket.axes[0]),
+                                                   async_op=True)
+        self.launched += 1
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait, write the sums back."""
+        while self.launched < len(self.buckets):
+            self._launch(self.buckets[self.launched])
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for axis in bucket.axes[1:]:
+                torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(axis))
+            offset = 0
+            for m in bucket.members:
+                n = m.numel()
+                if m in self.ready:
+                    reduced = bucket.flat[offset:offset + n]
+                    if reduced.data_ptr() != m.grad.data_ptr():
+                        m.grad.copy_(reduced.view_as(m.grad))
+                    if m in self.stashed:
+                        m.grad = self.stashed.pop(m).add_(m.grad)
+                offset += n
+        for local in self.params:
+            if getattr(local, "_autopar_sync", None) is self:
+                local._autopar_sync = None
+
+
+@dataclass
+class _Bucket:
+    axes: tuple
+    members: list = field(default_factory=list)
+    nbytes: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+def _arriving(ref, grad):
+    local = ref()
+    sync = getattr(local, "_autopar_sync", None)
+    if sync is not None:
+        sync.arriving(local)
+
+
+def _accumulated(local):
+    sync = getattr(local, "_autopar_sync", None)
+    if sync is not None:
+        sync.accumulated(local)
 
 
 class _DeferredReshard(torch.autograd.Function):
