@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
@@ -180,6 +181,7 @@ class GradSync:
         self.stashed: dict = {}
         self.launched = 0
         self.queued = False
+        self.pending: list = []  # outputs still being summed (output(), _SumLater)
 
     def add(self, local: torch.Tensor, axes: tuple) -> None:
         if local in self.params:  # tied weights: one tensor, one gradient
@@ -245,6 +247,8 @@ class GradSync:
         for local in self.params:
             if getattr(local, "_autopar_sync", None) is self:
                 local._autopar_sync = None
+        for value in self.pending:
+            value.wait()
 
 
 @dataclass
@@ -551,11 +555,82 @@ def _factory_impl(fn, mesh, out_spec, args, kwargs, dargs):
 
 
 def output(x):
-    """A program output: the full (global) value on every rank."""
+    """A program output: the full (global) value on every rank.
+
+    A partial sum (the loss of a batch split) returned from a forward whose
+    backward follows (a ``GradSync`` step) is summed by an all-reduce that is
+    not waited for here: the value waits for it when first read (``.item()``,
+    printing, arithmetic), or at the end of backward, which needs only its
+    shape. So reporting the loss does not stall every rank mid-step."""
     if isinstance(x, DTensor):
         mesh = _mesh()
+        sync = getattr(_state, "grad_sync", None)
+        group = _sum_group(mesh, x.placements) if sync is not None and torch.is_grad_enabled() else None
+        if group is not None:
+            grads = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            return _SumLater.apply(x.to_local(grad_placements=grads), group, sync)
         return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
     return x
+
+
+def _sum_group(mesh, placements):
+    """The process group of the mesh axes a value is a partial sum over, when
+    it is replicated on the others and one group holds exactly those axes."""
+    partial = [a for a, p in enumerate(placements) if isinstance(p, Partial)]
+    if not partial or any(not isinstance(p, (Partial, Replicate)) for p in placements) \
+            or any(p.reduce_op != "sum" for p in placements if isinstance(p, Partial)):
+        return None
+    if len(partial) == 1:
+        return mesh.get_group(partial[0])
+    if len(partial) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
+        return torch.distributed.group.WORLD
+    return None
+
+
+class _SumLater(torch.autograd.Function):
+    """Sum of a partial value over ``group``, all-reduced asynchronously; the
+    gradient of each summand is the sum's gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, sync):
+        total = local.detach().clone()
+        pending = _Pending(total, torch.distributed.all_reduce(total, group=group, async_op=True))
+        sync.pending.append(pending)
+        return pending
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Pending(torch.Tensor):
+    """A value an asynchronous all-reduce is still writing. Any op on it waits
+    for the all-reduce first, except ``ones_like``, all that ``backward()``
+    asks of a loss."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, work):
+        t = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                                                device=elem.device, requires_grad=elem.requires_grad)
+        t.elem, t.work = elem, work
+        return t
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"_Pending({self.wait()!r})"
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.ones_like.default:
+            return func(args[0].elem, **kwargs)
+        unwrap = lambda t: t.wait() if isinstance(t, _Pending) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
 def local_output(x):
