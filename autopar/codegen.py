@@ -27,7 +27,12 @@ HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
 
 Every `autopar_spmd_reshard(x, "<spec>")` is a collective (or a free local slice)
 on the mesh axes whose placement changes; placements print as S(d) / R / P per
-mesh axis. Predicted step time {step:.3g} s, peak memory {mem:.3g} GiB per device.
+mesh axis. Gradient sync: the gradient of `autopar_spmd_param(w, "<spec>")` is
+reduce-scattered in backward over the axes where spec shards w, and all-reduced
+over the axes where it is R in buckets launched while backward runs, waited for
+at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum (the
+loss) all-reduces it without waiting there. Predicted step time {step:.3g} s,
+peak memory {mem:.3g} GiB per device.
 """
 '''
 
