@@ -91,6 +91,8 @@ def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
     sync = getattr(_state, "grad_sync", None) if acc is None and torch.is_grad_enabled() else None
     axes = () if (acc is None and sync is None) or not local.requires_grad else \
         tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
+    if torch.is_grad_enabled() and sync is None and getattr(local, "_autopar_sync", None) is not None:
+        local._autopar_sync = None  # reduced another way now (an earlier step's GradSync no longer)
     if not axes:
         dt = DTensor.from_local(local, mesh, placements, run_check=False)
         if regather:
@@ -184,10 +186,10 @@ class GradSync:
         self.pending: list = []  # outputs still being summed (output(), _SumLater)
 
     def add(self, local: torch.Tensor, axes: tuple) -> None:
+        local._autopar_sync = self  # until a later forward's, so a backward through this graph reduces here
         if local in self.params:  # tied weights: one tensor, one gradient
             return
         self.params[local] = axes
-        local._autopar_sync = self
         if getattr(local, "_autopar_sync_hooks", None) is None:
             ref = weakref.ref(local)
             local._autopar_sync_hooks = (local.register_hook(functools.partial(_arriving, ref)),
@@ -244,11 +246,10 @@ class GradSync:
                     if m in self.stashed:
                         m.grad = self.stashed.pop(m).add_(m.grad)
                 offset += n
-        for local in self.params:
-            if getattr(local, "_autopar_sync", None) is self:
-                local._autopar_sync = None
         for value in self.pending:
             value.wait()
+        # ready for another backward through the same graph (retain_graph=True)
+        self.buckets, self.ready, self.launched, self.queued = None, set(), 0, False
 
 
 @dataclass
