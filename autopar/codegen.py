@@ -27,7 +27,12 @@ HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
 
 Every `autopar_spmd_reshard(x, "<spec>")` is a collective (or a free local slice)
 on the mesh axes whose placement changes; placements print as S(d) / R / P per
-mesh axis. Predicted step time {step:.3g} s, peak memory {mem:.3g} GiB per device.
+mesh axis. Gradient sync: the gradient of `autopar_spmd_param(w, "<spec>")` is
+reduce-scattered in backward over the axes where spec shards w, and all-reduced
+over the axes where it is R in buckets launched while backward runs, waited for
+at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum (the
+loss) all-reduces it without waiting there. Predicted step time {step:.3g} s,
+peak memory {mem:.3g} GiB per device.
 """
 '''
 
@@ -174,10 +179,12 @@ class _Emitter:
             return
         if src.op == "output":
             plan_node = specs["output"]
-            outs = [_resharded(g, env, a, plan_node.input_specs[i], specs) for i, a in enumerate(node.inputs)]
-            it = iter(outs)
             # a pipeline stage sends its shards on (pipeline_runtime.stage_plan); programs return full values
-            emit = spmd.local_output if self.plan.model.get("local_outputs") else spmd.output
+            local = self.plan.model.get("local_outputs")
+            outs = [env[a] if not local and _sums_in_output(specs[a].output_spec, plan_node.input_specs[i])
+                    else _resharded(g, env, a, plan_node.input_specs[i], specs) for i, a in enumerate(node.inputs)]
+            it = iter(outs)
+            emit = spmd.local_output if local else spmd.output
             g.output(fx.node.map_arg(src.args[0], lambda _: g.call_function(emit, (next(it),))))
             return
         plan_node = specs[src.name]
@@ -212,6 +219,12 @@ class _Emitter:
             new = g.call_function(spmd.op, (src.name, src.target, spec, *args), kwargs)
         new.name = src.name
         env[src.name] = new
+
+
+def _sums_in_output(have: str, want: str) -> bool:
+    """A partial sum (a loss over a batch split) returned replicated: ``spmd.output``
+    all-reduces it itself, without stalling the step (see there)."""
+    return "P" in have and "S" not in have and set(want) == {"R"}
 
 
 def _resharded(g: fx.Graph, env: dict, src: str, want: str, specs: dict) -> fx.Node:

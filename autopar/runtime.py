@@ -117,9 +117,14 @@ class ParallelModule(nn.Module):
     """The user's model, running ``plan`` on this rank."""
 
     def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
-                 device_mesh=None, local_inputs: bool = False, sharded: bool = False):
-        """``sharded=True``: the model's parameters already are this rank's shards."""
+                 device_mesh=None, local_inputs: bool = False, sharded: bool = False,
+                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES):
+        """``sharded=True``: the model's parameters already are this rank's shards.
+        ``bucket_bytes``: the size of the buckets replicated parameters'
+        gradients are all-reduced in during backward (``spmd.GradSync``;
+        DDP's default); None: one blocking all-reduce per parameter."""
         super().__init__()
+        self.bucket_bytes = bucket_bytes
         self.plan = plan
         self.mesh = device_mesh if device_mesh is not None else init_distributed(plan.mesh.shape, plan.mesh.names)
         self.rank = dist.get_rank()
@@ -197,7 +202,7 @@ class ParallelModule(nn.Module):
         device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
             torch.device("cuda", torch.cuda.current_device())
         inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
-        with spmd.use_mesh(self.mesh), spmd.random_step():
+        with spmd.use_mesh(self.mesh), spmd.random_step(), spmd.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
 

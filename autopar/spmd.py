@@ -21,10 +21,11 @@ import math
 import threading
 import weakref
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
@@ -75,8 +76,11 @@ def _spec(text: str, ndim: int) -> tuple:
 
 
 def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
-    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``
-    (the gradient all-reduce / reduce-scatter happens here, in backward).
+    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``.
+    The reduction over the mesh axes the parameter is replicated on is left to
+    the step's ``GradSync`` (bucketed all-reduces launched during backward) or,
+    in a pipeline step, to ``GradAccumulation``; without either, and for the
+    axes that shard it (ZeRO's reduce-scatter), it happens here, in backward.
 
     ``regather`` (ZeRO-3): the full copies ``reshard`` gathers from it are not
     kept for backward; ops that save them save a note instead, and backward
@@ -84,14 +88,20 @@ def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
     mesh = _mesh()
     placements = _spec(spec, mesh.ndim)
     acc = getattr(_state, "accumulation", None)
-    axes = () if acc is None or not local.requires_grad else \
+    sync = getattr(_state, "grad_sync", None) if acc is None and torch.is_grad_enabled() else None
+    axes = () if (acc is None and sync is None) or not local.requires_grad else \
         tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
+    if torch.is_grad_enabled() and sync is None and getattr(local, "_autopar_sync", None) is not None:
+        local._autopar_sync = None  # reduced another way now (an earlier step's GradSync no longer)
     if not axes:
         dt = DTensor.from_local(local, mesh, placements, run_check=False)
         if regather:
             dt._autopar_regather = True
         return dt
-    acc.pending[local] = axes
+    if acc is not None:
+        acc.pending[local] = axes
+    else:
+        sync.add(local, axes)
     keep = tuple(Partial() if a in axes else p for a, p in enumerate(placements))
     dt = DTensor.from_local(local, mesh, placements, run_check=False, grad_placements=keep)
     dt._autopar_deferred = axes
@@ -134,6 +144,134 @@ class GradAccumulation:
                 count += 1
         self.pending.clear()
         return count
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DistributedDataParallel's default ``bucket_cap_mb`` (25 MiB)."""
+
+
+def grad_sync(mesh, bucket_bytes: int | None = DDP_BUCKET_BYTES):
+    """Inside this ``with`` block (one forward), the gradients of parameters
+    replicated over mesh axes are reduced by one ``GradSync`` during the
+    backward that follows; ``bucket_bytes`` None: one blocking all-reduce per
+    parameter in its ``DTensor.from_local``'s backward, as before buckets."""
+    return _scoped("grad_sync", GradSync(mesh, bucket_bytes) if bucket_bytes else None)
+
+
+class GradSync:
+    """Gradient synchronisation of replicated parameters, the way DDP's reducer
+    does it (Li et al., VLDB 2020, sec. 3.2): the parameters a forward uses
+    (``param``) are put in buckets of about ``bucket_bytes``, in reverse order
+    of first use (the order backward makes their gradients), one mesh-axis
+    group and dtype per bucket. Backward leaves each gradient a local partial
+    sum (``GradAccumulation``'s deferred placements); when every gradient of
+    a bucket has been accumulated, the bucket is flattened and all-reduced
+    asynchronously while backward goes on, and at the end of backward (an
+    autograd engine callback) every bucket is waited on and written back to
+    ``.grad``. Buckets launch in index order on every rank, so their
+    collectives match whatever order autograd finishes gradients in.
+
+    A gradient accumulated over several backwards keeps its exact sum: the
+    ``.grad`` already there is set aside before the new one is accumulated,
+    and added back to the reduced new one (as one device adds them)."""
+
+    def __init__(self, mesh, bucket_bytes: int):
+        self.mesh, self.bucket_bytes = mesh, bucket_bytes
+        self.params: dict = {}  # local parameter -> mesh axes to reduce over, in order of first use
+        self.buckets: list | None = None
+        self.ready: set = set()
+        self.stashed: dict = {}
+        self.launched = 0
+        self.queued = False
+        self.pending: list = []  # outputs still being summed (output(), _SumLater)
+
+    def add(self, local: torch.Tensor, axes: tuple) -> None:
+        local._autopar_sync = self  # until a later forward's, so a backward through this graph reduces here
+        if local in self.params:  # tied weights: one tensor, one gradient
+            return
+        self.params[local] = axes
+        if getattr(local, "_autopar_sync_hooks", None) is None:
+            ref = weakref.ref(local)
+            local._autopar_sync_hooks = (local.register_hook(functools.partial(_arriving, ref)),
+                                         local.register_post_accumulate_grad_hook(_accumulated))
+
+    def _plan(self) -> list:
+        buckets, current = [], {}
+        for local, axes in reversed(self.params.items()):
+            key = (axes, local.dtype)
+            bucket = current.get(key)
+            if bucket is None or bucket.nbytes >= self.bucket_bytes:
+                bucket = current[key] = _Bucket(axes)
+                buckets.append(bucket)
+            bucket.members.append(local)
+            bucket.nbytes += local.numel() * local.element_size()
+        return buckets
+
+    def arriving(self, local: torch.Tensor) -> None:
+        """A gradient for ``local`` is about to be accumulated."""
+        if not self.queued:
+            self.queued = True
+            self.buckets = self._plan()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        if local.grad is not None:
+            self.stashed[local], local.grad = local.grad, None
+
+    def accumulated(self, local: torch.Tensor) -> None:
+        self.ready.add(local)
+        while self.launched < len(self.buckets) and all(m in self.ready for m in self.buckets[self.launched].members):
+            self._launch(self.buckets[self.launched])
+
+    def _launch(self, bucket) -> None:
+        grads = [m.grad.reshape(-1) if m in self.ready else m.new_zeros(m.numel()) for m in bucket.members]
+        bucket.flat = torch.cat(grads) if len(grads) > 1 else grads[0]  # one contiguous gradient: in place
+        bucket.work = torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(bucket.axes[0]),
+                                                   async_op=True)
+        self.launched += 1
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait, write the sums back."""
+        while self.launched < len(self.buckets):
+            self._launch(self.buckets[self.launched])
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for axis in bucket.axes[1:]:
+                torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(axis))
+            offset = 0
+            for m in bucket.members:
+                n = m.numel()
+                if m in self.ready:
+                    reduced = bucket.flat[offset:offset + n]
+                    if reduced.data_ptr() != m.grad.data_ptr():
+                        m.grad.copy_(reduced.view_as(m.grad))
+                    if m in self.stashed:
+                        m.grad = self.stashed.pop(m).add_(m.grad)
+                offset += n
+        for value in self.pending:
+            value.wait()
+        # ready for another backward through the same graph (retain_graph=True)
+        self.buckets, self.ready, self.launched, self.queued = None, set(), 0, False
+
+
+@dataclass
+class _Bucket:
+    axes: tuple
+    members: list = field(default_factory=list)
+    nbytes: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+def _arriving(ref, grad):
+    local = ref()
+    sync = getattr(local, "_autopar_sync", None)
+    if sync is not None:
+        sync.arriving(local)
+
+
+def _accumulated(local):
+    sync = getattr(local, "_autopar_sync", None)
+    if sync is not None:
+        sync.accumulated(local)
 
 
 class _DeferredReshard(torch.autograd.Function):
@@ -418,11 +556,82 @@ def _factory_impl(fn, mesh, out_spec, args, kwargs, dargs):
 
 
 def output(x):
-    """A program output: the full (global) value on every rank."""
+    """A program output: the full (global) value on every rank.
+
+    A partial sum (the loss of a batch split) returned from a forward whose
+    backward follows (a ``GradSync`` step) is summed by an all-reduce that is
+    not waited for here: the value waits for it when first read (``.item()``,
+    printing, arithmetic), or at the end of backward, which needs only its
+    shape. So reporting the loss does not stall every rank mid-step."""
     if isinstance(x, DTensor):
         mesh = _mesh()
+        sync = getattr(_state, "grad_sync", None)
+        group = _sum_group(mesh, x.placements) if sync is not None and torch.is_grad_enabled() else None
+        if group is not None:
+            grads = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            return _SumLater.apply(x.to_local(grad_placements=grads), group, sync)
         return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
     return x
+
+
+def _sum_group(mesh, placements):
+    """The process group of the mesh axes a value is a partial sum over, when
+    it is replicated on the others and one group holds exactly those axes."""
+    partial = [a for a, p in enumerate(placements) if isinstance(p, Partial)]
+    if not partial or any(not isinstance(p, (Partial, Replicate)) for p in placements) \
+            or any(p.reduce_op != "sum" for p in placements if isinstance(p, Partial)):
+        return None
+    if len(partial) == 1:
+        return mesh.get_group(partial[0])
+    if len(partial) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
+        return torch.distributed.group.WORLD
+    return None
+
+
+class _SumLater(torch.autograd.Function):
+    """Sum of a partial value over ``group``, all-reduced asynchronously; the
+    gradient of each summand is the sum's gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, sync):
+        total = local.detach().clone()
+        pending = _Pending(total, torch.distributed.all_reduce(total, group=group, async_op=True))
+        sync.pending.append(pending)
+        return pending
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Pending(torch.Tensor):
+    """A value an asynchronous all-reduce is still writing. Any op on it waits
+    for the all-reduce first, except ``ones_like``, all that ``backward()``
+    asks of a loss."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, work):
+        t = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), dtype=elem.dtype,
+                                                device=elem.device, requires_grad=elem.requires_grad)
+        t.elem, t.work = elem, work
+        return t
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"_Pending({self.wait()!r})"
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.ones_like.default:
+            return func(args[0].elem, **kwargs)
+        unwrap = lambda t: t.wait() if isinstance(t, _Pending) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
 def local_output(x):

@@ -317,3 +317,20 @@ def test_dropout_draws_follow_the_step_not_each_ranks_generator():
     assert first["recompute none offset 1000"] == first["recompute none offset 2000"]
     assert runs["recompute noise offset 1000"] == runs["recompute noise offset 2000"]
     assert first["recompute full offset 1000"] == pytest.approx(first["recompute none offset 1000"], rel=1e-5)
+
+
+def test_bucketed_gradient_sync_accumulates_like_one_device():
+    """tests/fixtures/grad_sync.py: replicated parameters' gradients all-reduced
+    in buckets during backward (one bucket at DDP's size, several at 1 KiB),
+    over one mesh axis and over both of a 2x2 mesh, summed over four
+    backwards (two through one graph) from None and from zeros, equal one
+    device's; the loss comes
+    back without its all-reduce waited for and reads as one device's."""
+    proc = torchrun(["tests/fixtures/grad_sync.py", "tests/fixtures/fastnet.json"], 4)
+    assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "buckets" in line]
+    assert [line.split(":")[0] for line in lines] == ["4 26214400", "4 1024", "2x2 26214400", "2x2 1024"]
+    for line in lines:
+        buckets = int(line.split("buckets ")[1].split(",")[0])
+        assert buckets >= 8 and (buckets > 8) == line.split(":")[0].endswith(" 1024"), line
+        assert "loss type _Pending" in line and float(line.split("grad rel err ")[1]) <= TOL, line

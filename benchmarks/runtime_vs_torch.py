@@ -1,0 +1,235 @@
+"""Emitted programs against the same parallelization written by hand with torch.distributed.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] [--cases dp,zero2,tp]
+
+One launch, 4 gloo ranks. For each case autopar compiles a plan on the
+``cpu`` cluster with the parameters pinned to the family's placements (the
+benchmark checks that the plan is that family), and the hand-written
+equivalent is built from the same initial weights:
+
+* ``dp``: every parameter replicated, the batch split, against
+  ``DistributedDataParallel``;
+* ``zero2``: parameters held sharded on dim 0 and gathered for use, gradients
+  reduce-scattered, against FSDP2 ``fully_shard(reshard_after_forward=False)``;
+* ``tp``: Megatron tensor parallelism of a GPT (q, k, v and the MLP's first
+  GEMM split by columns, the projections by rows, the rest replicated),
+  against ``parallelize_module`` with ColwiseParallel / RowwiseParallel.
+
+The two steps (forward, backward, AdamW) alternate, each after a barrier,
+autopar first on even steps; a step's time is the slowest rank's. The table
+gives medians over ``--steps`` steps after warm-up, their ratio, and the
+plan's predicted step. On a shared machine read the ratios, not the
+milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+import gpt as gpt_example  # noqa: E402
+import mlp as mlp_example  # noqa: E402
+
+from autopar import compiler  # noqa: E402
+from autopar.capture import NodeKind, capture  # noqa: E402
+from autopar.codegen import build_program, load_program, program_source  # noqa: E402
+from autopar.compiler import compile as compile_plan  # noqa: E402
+from autopar.passes.strategy import fmt_spec  # noqa: E402
+from autopar.runtime import ParallelModule, agreed_plan, init_distributed, shutdown  # noqa: E402
+
+WORLD = 4
+LR = 1e-3
+
+
+def mlp_case():
+    """An MLP 256 wide, 4 layers, batch 2048 (issue 25's model)."""
+    return mlp_example.make(batch=2048, hidden=256, d_in=256, d_out=256, layers=4)
+
+
+def gpt_case():
+    """A GPT, hidden 128, 4 layers, 4 heads, sequence 64, batch 16."""
+    torch.manual_seed(0)
+    cfg = gpt_example.GPTConfig(vocab=512, seq=64, hidden=128, heads=4, layers=4)
+    model = gpt_example.GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (16, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (16, cfg.seq))
+    return model, (idx, target), gpt_example.lm_loss
+
+
+def all_params(model, spec):
+    return {fqn: [spec] for fqn, _ in model.named_parameters()}
+
+
+def megatron_pins(model):
+    """Column-parallel q, k, v, fc (weight and bias split on the output dim),
+    row-parallel projections (weight on its input dim, bias replicated);
+    everything else replicated."""
+    pins = {}
+    for fqn, _ in model.named_parameters():
+        if fqn.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")):
+            pins[fqn] = ["S(0)"]
+        elif fqn.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            pins[fqn] = ["S(1)"]
+        else:
+            pins[fqn] = ["R"]
+    return pins
+
+
+# --- the hand-written equivalents -------------------------------------------
+
+def ddp(model, mesh, inputs, loss_fn):
+    from torch.nn.parallel import DistributedDataParallel
+    module = DistributedDataParallel(model)
+    x, y = (t.chunk(WORLD)[dist.get_rank()] for t in inputs)
+    return module, lambda: loss_fn(module(x), y)
+
+
+def fsdp2(reshard: bool):
+    def build(model, mesh, inputs, loss_fn):
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        x, y = (t.chunk(WORLD)[dist.get_rank()] for t in inputs)
+        return model, lambda: loss_fn(model(x), y)
+    return build
+
+
+def _local_heads_forward(self, x):
+    """gpt.Attention.forward on this rank's heads (the hidden size from the local q)."""
+    b, s, _ = x.shape
+    q, k, v = (t(x) for t in (self.q, self.k, self.v))
+    width = q.shape[-1] // self.heads
+    q, k, v = (t.view(b, s, self.heads, width).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * width))
+
+
+def megatron(model, mesh, inputs, loss_fn):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    for block in model.blocks:
+        parallelize_module(block, mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                                         "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+        block.attn.heads //= WORLD
+        block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
+    idx, target = inputs
+    return model, lambda: loss_fn(model(idx), target)
+
+
+CASES = {
+    # name: (model factory, pins, hand-written builder, its name, family check on the plan, batch split pinned)
+    "dp": (mlp_case, lambda m: all_params(m, "R"), ddp, "DistributedDataParallel",
+           lambda plan: all(p["placements"] == ["R"] for p in plan.parameters.values()), True),
+    "zero2": (mlp_case, lambda m: all_params(m, "S(0)"), fsdp2(reshard=False),
+              "FSDP2 fully_shard(reshard_after_forward=False)",
+              lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values()), True),
+    "tp": (gpt_case, megatron_pins, megatron, "parallelize_module Colwise/Rowwise",
+           lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values()), False),
+}
+
+
+@contextlib.contextmanager
+def batch_split(on: bool):
+    """The compiler pins parameters only; with ``on``, the inputs' and ops'
+    strategies are narrowed to those with the batch split (output S(0)),
+    where they have one, while the planner solves. Without it, on the ``cpu``
+    cluster (a collective costs ~6 ms there) the planner replicates the MLP's
+    whole step on every rank rather than split the batch, and uses S(0)
+    weights as tensor-parallel shards rather than gather them (ZeRO)."""
+    if not on:
+        yield
+        return
+    original = compiler.enumerate_strategies
+
+    def narrowed(graph, mesh_shape, warn=True):
+        strategies, fallbacks = original(graph, mesh_shape, warn)
+        for node in graph.nodes.values():
+            if node.kind is not NodeKind.PARAM:
+                split = [s for s in strategies[node.name] if fmt_spec(s.output) == "S(0)"]
+                strategies[node.name] = split or strategies[node.name]
+        return strategies, fallbacks
+
+    compiler.enumerate_strategies = narrowed
+    try:
+        yield
+    finally:
+        compiler.enumerate_strategies = original
+
+
+def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool):
+    def solve():
+        with batch_split(split_batch):
+            return compile_plan(model, inputs, mesh=str(WORLD), cluster="cpu", loss_fn=loss_fn,
+                                parameter_placements=pins)
+
+    plan = agreed_plan(solve)
+    graph = capture(model, inputs, loss_fn)
+    program = load_program(program_source(build_program(graph, plan), plan))
+    pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh)
+    return plan, pmodel, lambda: pmodel(*inputs)
+
+
+def timed(step, opt) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    step().backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t
+
+
+def run_case(name: str, device_mesh, steps: int, warmup: int) -> dict:
+    make, pins, hand, hand_name, is_family, split_batch = CASES[name]
+    model, inputs, loss_fn = make()
+    twin = copy.deepcopy(model)
+    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch)
+    if not is_family(plan):
+        raise SystemExit(f"{name}: the pinned plan is not the family it benchmarks: "
+                         f"{ {k: (v['placements'], v.get('zero_stage')) for k, v in plan.parameters.items()} }")
+    theirs_module, theirs = hand(twin, device_mesh, inputs, loss_fn)
+    opts = [torch.optim.AdamW(pmodel.parameters(), lr=LR), torch.optim.AdamW(theirs_module.parameters(), lr=LR)]
+    times: list[list[float]] = [[], []]
+    for i in range(warmup + steps):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for k in order:
+            t = timed((ours, theirs)[k], opts[k])
+            if i >= warmup:
+                times[k].append(t)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    a, b = (statistics.median(row) for row in slowest.tolist())
+    return {"case": name, "hand": hand_name, "autopar_ms": a * 1e3, "hand_ms": b * 1e3, "ratio": a / b,
+            "predicted_ms": plan.predicted["step_time_s"] * 1e3}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    device_mesh = init_distributed((WORLD,), ("x",))
+    rows = [run_case(c, device_mesh, args.steps, args.warmup) for c in args.cases.split(",")]
+    if dist.get_rank() == 0:
+        print(f"{'case':<6} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} {'predicted ms':>12}")
+        for r in rows:
+            print(f"{r['case']:<6} {r['hand']:<46} {r['autopar_ms']:>10.1f} {r['hand_ms']:>8.1f} "
+                  f"{r['ratio']:>5.2f}x {r['predicted_ms']:>12.1f}")
+    shutdown(exit_code=0)
+
+
+if __name__ == "__main__":
+    main()
