@@ -475,7 +475,7 @@ def op(node: str, fn, spec: str | tuple, *args, **kwargs):
         hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
     try:
         with hooks, _scoped("node", node):
-            out = LOCAL_IMPLS.get(fn, _plain)(fn, mesh, out_spec, largs, lkwargs, args)
+            out = _local_impl(fn)(fn, mesh, out_spec, largs, lkwargs, args)
     except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
         placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
         raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
@@ -773,6 +773,42 @@ def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
     return out
 
 
+def _grouped_mm(fn, mesh, out_spec, args, kwargs, dargs):
+    """A grouped matmul (passes/rules/experts.py) with its experts or its
+    sorted tokens split: this rank's experts' rows among this rank's rows.
+
+    The offsets (whole) give every expert's global rows; those of the rank's
+    experts (the weight's dim 0 split) that fall in the rank's rows (the
+    input's dim 0 split) are ``lo:hi`` of the local input. The input is
+    rotated by ``lo`` so that they come first, the op runs with the offsets
+    shifted by the shard's first row and by ``lo`` (it computes nothing
+    beyond the last one), rows from ``hi - lo`` on are zeroed in its input
+    and output (torch's kernel leaves them, and their input gradient,
+    undefined) and the rotation is undone: rows of other experts
+    are zero, so over an expert split the result is a Partial sum. All of
+    it is tensor arithmetic on the coordinate, with autograd. Without
+    offsets (a batch of matmuls) the op runs as it is."""
+    x, w, *rest = args
+    kwargs = dict(kwargs)
+    offs = rest.pop(0) if rest else kwargs.pop("offs", None)
+    row, rows = _shard_index(mesh, dargs[0].placements, 0)
+    expert, experts = _shard_index(mesh, dargs[1].placements, 0)
+    if offs is None or (rows == 1 and experts == 1):  # a batched (3-D) one splits as a bmm
+        return fn(x, w, offs, *rest, **kwargs)
+    n, e = x.shape[0], w.shape[0]
+    starts = torch.cat([offs.new_zeros(1), offs])
+    bounds = starts.index_select(0, torch.arange(e + 1, device=offs.device) + expert * e)
+    bounds = (bounds - row * n).clamp(0, n)  # this rank's experts' boundaries among its rows
+    lo, hi = bounds[0], bounds[-1]
+    positions = torch.arange(n, device=x.device)
+    mine = (positions < hi - lo).unsqueeze(-1)
+    first = x.index_select(0, (positions + lo) % n)
+    first = torch.where(mine, first, torch.zeros_like(first))  # so that their undefined gradient is dropped
+    out = fn(first, w, (bounds[1:] - lo).to(offs.dtype), *rest, **kwargs)
+    out = torch.where(mine, out, torch.zeros_like(out))
+    return out.index_select(0, (positions - lo) % n)
+
+
 class StepSeed:
     """One random seed per training step, the same on every rank: rank 0 draws
     it and broadcasts it, once, at the step's first random op. Random ops
@@ -858,5 +894,16 @@ LOCAL_IMPLS = {
     torch.ops.aten.nll_loss_nd.default: _mean_loss,
     torch.ops.aten.batch_norm.default: _batch_norm,
     torch.ops.aten.affine_grid_generator.default: _affine_grid,
+    torch.ops.aten._grouped_mm.default: _grouped_mm,
+    "transformers.grouped_mm_fallback.default": _grouped_mm,  # a library's op, by name (passes/rules/experts.py)
 }
 LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})
+
+
+def _local_impl(fn):
+    """The local implementation of op ``fn``: its entry (by the op, or for a
+    library's op by its name), or the op itself."""
+    impl = LOCAL_IMPLS.get(fn)
+    if impl is None and isinstance(fn, torch._ops.OpOverload):
+        impl = LOCAL_IMPLS.get(str(fn))
+    return impl or _plain

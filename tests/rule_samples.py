@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 from torch.ops import aten
 
 
@@ -632,4 +633,11 @@ SAMPLES = [
     call(aten.bilinear.default, x(4, 6), x(4, 5, seed=1), x(3, 6, 5, seed=2), x(3, seed=3)),
     call(aten.bilinear.default, x(2, 4, 6), x(2, 4, 5, seed=1), x(3, 6, 5, seed=2), None, name="nobias"),
     call(aten.grid_sampler.default, x(4, 4, 5, 5), torch.tanh(x(4, 4, 4, 2, seed=1)), 0, 0, False),
+    # grouped matmuls (a mixture of experts): 12 sorted tokens, 4 experts (the second gets none, the last 2
+    # rows no expert); torch's kernel: fp32, 16-byte strides, every row an expert's (its others are undefined)
+    call(torch.ops.transformers.grouped_mm_fallback.default, x(12, 8), x(4, 8, 16, seed=1),
+         torch.tensor([3, 3, 7, 10], dtype=torch.int32)),
+    call(aten._grouped_mm.default, x(16, 8).float(), x(4, 8, 16, seed=1).float(),
+         torch.tensor([3, 3, 9, 16], dtype=torch.int32)),
+    call(aten._grouped_mm.default, x(4, 8, 8).float(), x(4, 8, 4, seed=1).float(), name="batched"),
 ]

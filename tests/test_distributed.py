@@ -283,6 +283,26 @@ def test_hugging_face_models_train_like_one_device(tmp_path):
     assert all(any(p != ["R"] for p in r["plan"]["parameters"].values()) for r in reports)
 
 
+def test_hugging_face_experts_split_train_like_one_device(tmp_path):
+    """Expert parallelism on transformers' own Mixtral and DeepSeek-V3 code
+    (tests/fixtures/moe_ranks.py, one launch, mesh 4): every expert weight
+    held split over its 4 experts and every grouped matmul running its rank's
+    experts (spmd._grouped_mm), the other nodes as solved. Each trains like
+    one device, and the plans really split the experts."""
+    out = tmp_path / "moe.json"
+    proc = torchrun(["tests/fixtures/moe_ranks.py", "tests/fixtures/fastnet.json", str(out)], 4)
+    assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert [r["source"] for r in reports] == ["tests/fixtures/hf.py:mixtral", "tests/fixtures/hf.py:deepseek_v3"]
+    assert_agrees(reports, drift=True)
+    for r, layers in zip(reports, (2, 1)):
+        experts = {k: v for k, v in r["plan"]["parameters"].items() if k.endswith(("gate_up_proj", "down_proj"))}
+        assert len(experts) == 2 * layers and all(v == ["S(0)"] for v in experts.values()), r["label"]
+        grouped = {k: v for k, v in r["plan"]["strategies"].items() if k.startswith("grouped_mm_fallback")}
+        assert len(grouped) == 2 * layers, r["label"]  # the up and the down projection of each layer
+        assert set(grouped.values()) == {"(R, S(0), R) -> P"}, r["label"]
+
+
 def test_measured_step_of_the_collective_chain():
     """autopar.measure, which `autopar calibrate` and docs/validation.md run:
     the collective chain's pinned Megatron pairs cannot run without

@@ -451,3 +451,16 @@ def test_a_plan_runs_only_in_the_mode_it_was_compiled_in():
     with pytest.raises(AutoparError, match=r"the module is in eval mode but its plan was compiled from the model in "
                                            r"train mode.*model\.eval\(\) before autopar\.compile"):
         check_mode(False, train)
+
+
+@pytest.mark.parametrize("factory", ["mixtral_experts", "deepseek_v3_experts"])
+def test_experts_that_dominate_are_split(factory):
+    """Hugging Face MoE models whose expert weights are most of the model
+    (tests/fixtures/hf.py, 96% and 88%) on a mesh of 4 A100s: the planner
+    splits every expert weight (the grouped matmuls have rules,
+    passes/rules/experts.py; without them the experts ran replicated)."""
+    model, inputs, loss_fn = load_factory(f"{ROOT}/tests/fixtures/hf.py:{factory}")
+    experts = [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    plan = autopar.compile(model, inputs, mesh="4", cluster="dgx-a100", loss_fn=loss_fn)
+    assert not plan.fallbacks
+    assert experts and all(plan.parameters[n]["placements"] != ["R"] for n in experts), plan.parameters

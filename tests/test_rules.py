@@ -468,6 +468,12 @@ RULE_TABLE = [
     ("gather.default[short_index]", ["(S(0), S(0)) -> S(0)", "(S(2), S(2)) -> S(2)", "(R, R) -> R"]),
     ("scatter.src", ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)", "(R, R, R) -> R"]),
     ("index_select.default", ["(S(0), R) -> S(0)", "(S(2), R) -> S(2)", "(R, S(0)) -> S(1)", "(R, R) -> R"]),
+    # grouped matmuls: the sorted tokens, the experts (Partial: other experts' rows are zero), the features;
+    # the offsets whole. torch's kernel keeps K and N whole (16-byte strides).
+    ("transformers.grouped_mm_fallback.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P", "(R, S(2), R) -> S(1)",
+                                                  "(S(1), S(1), R) -> P", "(R, R, R) -> R"]),
+    ("_grouped_mm.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P", "(R, R, R) -> R"]),
+    ("_grouped_mm.default[batched]", ["(S(0), S(0)) -> S(0)", "(S(1), R) -> S(1)", "(R, R) -> R"]),
 ]
 
 
@@ -475,6 +481,17 @@ RULE_TABLE = [
 def test_rule_table(sample_id, expected):
     strategies = strategies_for(_BY_ID[sample_id], (WORLD,))
     assert [str(s) for s in strategies] == expected
+
+
+def test_grouped_mm_with_a_bias_is_replicated_with_the_reason():
+    from autopar.passes.rules import ReplicatedOnly
+
+    metas = [TensorMeta((16, 8), torch.float32), TensorMeta((4, 8, 16), torch.float32),
+             TensorMeta((4,), torch.int32), TensorMeta((4, 16), torch.float32)]  # CPU's kernel takes no bias yet
+    info = OpInfo(aten._grouped_mm.default, tuple(TensorArg(i, m) for i, m in enumerate(metas)), {}, metas,
+                  [TensorMeta((16, 16), torch.float32)])
+    with pytest.raises(ReplicatedOnly, match="bias"):
+        get_rule(aten._grouped_mm.default).fn(info)
 
 
 def test_feature_dropout_in_training_splits_only_samples_and_channels():

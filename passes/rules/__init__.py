@@ -84,6 +84,10 @@ _RULES: dict = {}
 
 
 def register(*targets, matmul: bool = False):
+    """Register ``fn`` as the rule of ``targets``: ATen ops, or the names of
+    ops a library defines when it is imported (``"transformers.
+    grouped_mm_fallback.default"``, as ``str`` prints the op), which need not
+    exist when autopar is imported."""
     def wrap(fn):
         for t in targets:
             if t in _RULES:
@@ -94,7 +98,10 @@ def register(*targets, matmul: bool = False):
 
 
 def get_rule(target) -> Rule | None:
-    return _RULES.get(target)
+    rule = _RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        rule = _RULES.get(str(target))  # a library's op, registered by name
+    return rule
 
 
 def registered_ops() -> list:
@@ -112,8 +119,8 @@ def rule_table() -> list:
 
 
 def _load():
-    from autopar.passes.rules import (along, conv, distance, extra, matmul, misc, norm, pointwise,  # noqa: F401
-                                      recurrent, reduction, view)
+    from autopar.passes.rules import (along, conv, distance, experts, extra, matmul, misc, norm,  # noqa: F401
+                                      pointwise, recurrent, reduction, view)
 
 
 _load()
