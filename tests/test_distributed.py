@@ -214,7 +214,7 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
 
 
 def test_resnet50_layout_under_plans_that_split_batch_norms_and_convolutions(tmp_path):
-    """ResNet-50's layout (tests/fixtures/resnet.py: 3-4-6-3 bottlenecks, batch
+    """ResNet-50's layout (tests/fixtures/resnet50.py: 3-4-6-3 bottlenecks, batch
     norm after every convolution, stride on the 3x3) on a 2x2 mesh, the
     solved plan and a random plan: batch norms on split batches and on split
     channels, convolutions that leave partial sums. (Mesh 4 and the repro's
@@ -223,7 +223,7 @@ def test_resnet50_layout_under_plans_that_split_batch_norms_and_convolutions(tmp
     flips near zero), which a float32 check cannot tell from a rule error
     (issue 31's ResNet-50 repro: 1.3e-2 in float32, 2.5e-13 in float64):
     verify checks it in float64, to 1e-7."""
-    reports = verify("tests/fixtures/resnet.py:narrow", "2x2", 4, tmp_path)
+    reports = verify("tests/fixtures/resnet50.py:narrow", "2x2", 4, tmp_path)
     assert ["random" in r["label"] for r in reports] == [False, True]
     for r in reports:
         assert r["dtype"] == "torch.float64" and r["tol"] == 1e-7, r["label"]
