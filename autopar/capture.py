@@ -182,12 +182,22 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
             "expected (input, ..., target)"
         )
     wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _NoLoss(model)
+    state = _ModuleState(model)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ep = torch.export.export(wrapper, example_inputs, strict=False)
     except Exception as e:  # torch raises many types; keep the cause
         raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
+    finally:
+        assigned = state.restore()
+    if assigned:
+        warnings.warn(
+            f"autopar: the model's forward assigned {', '.join(assigned)} while it was traced (state made on the "
+            "first call); the trace computes it, and the model was left as it was before tracing, so its next "
+            "eager forward makes it again. Create it in __init__ to make it a buffer the plan can place",
+            stacklevel=2,
+        )
     for w in caught:
         if not _rnn_weight_cache_only(str(w.message)):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -195,6 +205,39 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
     graph.tied = _tied(wrapper, graph)
     graph.training = model.training
     return graph
+
+
+class _ModuleState:
+    """Every submodule's attributes before tracing. torch.export runs the
+    user's forward on fake tensors, so a forward that registers a buffer or
+    caches a tensor on its first call (x-transformers' ALiBi, rotary caches)
+    would leave a fake tensor in the model; ``restore`` puts every module's
+    attributes back and names the tensors that forward assigned."""
+
+    def __init__(self, model: nn.Module):
+        self.saved = [
+            (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules),
+             set(m._non_persistent_buffers_set))
+            for m in model.modules()
+        ]
+        self.names = {id(m): name for name, m in model.named_modules()}
+
+    def restore(self) -> list:
+        assigned = []
+        for m, attrs, params, buffers, modules, non_persistent in self.saved:
+            prefix = self.names[id(m)] + "." if self.names[id(m)] else ""
+            now = {**{k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)},
+                   **m._parameters, **m._buffers}
+            before = {**{k: v for k, v in attrs.items() if isinstance(v, torch.Tensor)}, **params, **buffers}
+            assigned += [prefix + k for k, v in now.items() if before.get(k) is not v]
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for live, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                live.clear()
+                live.update(old)
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(non_persistent)
+        return sorted(set(assigned))
 
 
 def _tied(wrapper: nn.Module, graph: Graph) -> dict:

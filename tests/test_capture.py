@@ -383,6 +383,37 @@ def test_in_place_ops_on_activations_run_out_of_place_and_state_updates_stay():
     assert source.count("autopar_spmd_state_update(") == 7, source
 
 
+class _CachesOnFirstCall(nn.Module):
+    """Makes a bias table on its first forward, as x-transformers' ALiBi and
+    some rotary embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+            self.calls = torch.zeros(())
+        return self.proj(x) + self.table
+
+
+def test_tracing_leaves_a_model_that_makes_state_in_forward_as_it_was():
+    """torch.export runs forward on fake tensors: before autopar restored the
+    modules, the model kept a FakeTensor buffer and its next eager forward
+    returned a FakeTensor. The trace computes the table; the model is left
+    untouched, with a warning naming what forward assigned."""
+    from autopar.capture import capture
+    model, x = _CachesOnFirstCall(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"assigned calls, table while it was traced"):
+        graph = capture(model, (x,))
+    assert not hasattr(model, "table") and "table" not in model._buffers and not hasattr(model, "calls")
+    assert "arange" in [n.op_name.split(".")[0] for n in graph.nodes.values() if n.kind.value == "op"]
+    out = model(x)
+    assert type(out) is torch.Tensor and torch.equal(model.table, torch.arange(8.0))
+    torch.testing.assert_close(out, model.proj(x) + torch.arange(8.0))
+
+
 def test_in_place_op_whose_old_value_is_read_again_is_refused():
     """Running ``relu_`` out of place would change what a later reader of the
     overwritten tensor sees (here through a view taken before it): the model
