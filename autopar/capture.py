@@ -399,8 +399,28 @@ def _returns_view(n: fx.Node) -> bool:
     if n.target is operator.getitem:  # an item of split/unbind is a view; of topk, a tensor of its own
         return isinstance(n.args[0], fx.Node) and _returns_view(n.args[0])
     schema = getattr(n.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
+    aliases = bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                   and not schema.returns[0].alias_info.is_write)
+    return aliases and (n.target not in _VIEW_WHEN_IT_CAN or _viewed(n))
+
+
+_VIEW_WHEN_IT_CAN = {torch.ops.aten.contiguous.default, torch.ops.aten.reshape.default}
+"""Ops whose schema says they may alias their input, which copy when the
+input's strides do not allow a view (``x.permute(1, 0).contiguous()``,
+BEiT's relative coordinates, is a new tensor that may be written in place)."""
+
+
+def _viewed(n: fx.Node) -> bool:
+    src, out = n.args[0].meta.get("val"), n.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return True  # unknown: assume it aliases, the safe side for in-place checks
+    if n.target is torch.ops.aten.contiguous.default:
+        return src.is_contiguous(memory_format=n.kwargs.get("memory_format", torch.contiguous_format))
+    try:
+        src.view(out.shape)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _overwritten_root(n: fx.Node) -> fx.Node:

@@ -363,6 +363,21 @@ def test_assignments_into_activations_run_as_scatters():
         capture(ReadsAnEarlierView(), (torch.randn(4, 8),))
 
 
+def test_columns_of_a_contiguous_copy_are_written_in_place_as_beit_does():
+    """BEiT (transformers) builds its relative position index with
+    ``rel = diff.permute(1, 2, 0).contiguous()`` and then ``rel[:, :, 0] += k``:
+    contiguous (and reshape) may alias by their schema, but here they copy,
+    so the writes run as scatters into the copy; capture refused the model
+    before. Trains like one device: test_distributed's op families."""
+    from autopar.capture import NodeKind, capture
+    graph = capture(*load_factory("tests/fixtures/opzoo.py:relative_bias"))
+    ops = [n.op_name for n in graph.nodes.values() if n.kind is NodeKind.OP]
+    # ``rel[:, :, 0] += k`` is an in-place add on the view, then Python's
+    # __setitem__ copies the view back into it: two write-backs per write
+    assert ops.count("select_scatter") == 6 and not [o for o in ops if o.endswith("_")], ops
+    assert "contiguous" in ops  # the copy the writes go into
+
+
 def test_in_place_ops_on_activations_run_out_of_place_and_state_updates_stay():
     """nn.ReLU(inplace=True) and ``y += x`` on activations are captured as
     relu and add (the rules' ops, exact since nothing reads the old values);

@@ -244,7 +244,8 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     an upscaler (pixel shuffle and unshuffle, unfold and fold, diagonal, dot, mv,
     outer, scatter of a value); a recommender (EmbeddingBag); a siamese metric
     model (FFT, PReLU, GLU, bilinear, cdist, triplet and cosine losses); an
-    editor (assignments into activations, run as scatters); rotary embeddings
+    editor (assignments into activations, run as scatters); BEiT's relative
+    position index (columns of a ``contiguous()`` copy written in place); rotary embeddings
     as complex products; graph message passing (scatter_reduce, index_add);
     attention under torch.autocast (bfloat16, checked to assert_close's
     bfloat16 tolerance); tests/fixtures/recurrent.py: LSTM, GRU and RNN layers, time-major and
@@ -253,11 +254,11 @@ def test_op_families_the_examples_do_not_use(tmp_path):
     tests/test_rules.py checks every row of their rules)."""
     sources = ["tests/fixtures/opzoo.py:mixed", "tests/fixtures/opzoo.py:segmenter", "tests/fixtures/opzoo.py:upscaler",
                "tests/fixtures/opzoo.py:recommender", "tests/fixtures/opzoo.py:siamese",
-               "tests/fixtures/opzoo.py:editor", "tests/fixtures/opzoo.py:rotary",
+               "tests/fixtures/opzoo.py:editor", "tests/fixtures/opzoo.py:relative_bias", "tests/fixtures/opzoo.py:rotary",
                "tests/fixtures/opzoo.py:message_passing", "tests/fixtures/opzoo.py:mixed_precision",
                "tests/fixtures/recurrent.py:tagger", "tests/fixtures/recurrent.py:batch_first"]
     reports = verify(sources, "2x2", 4, tmp_path, random_plans=1)
-    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 22
+    assert sorted({r["source"] for r in reports}) == sorted(sources) and len(reports) == 24
     assert {r["dtype"] for r in reports if "mixed_precision" in r["source"]} == {"torch.bfloat16"}
     assert_agrees(reports)
 
