@@ -34,3 +34,14 @@ def softmax_rule(info: OpInfo):
     x = info.inputs[0]
     dim = info.arg(1, "dim") % x.ndim
     return keep_dims_rows(info, [d for d in range(x.ndim) if d != dim])
+
+
+@register(aten._weight_norm.default)
+def weight_norm_rule(info: OpInfo):
+    """weight_norm(v, g, dim): v * g / ||v||, the norm over every dim but
+    ``dim`` (g keeps only ``dim``): v and g split along ``dim`` together.
+    ``dim=-1`` normalises the whole tensor: replicated."""
+    v = info.inputs[0]
+    dim = info.arg(2, "dim", 0)
+    rows = [Row(S(dim), (S(dim), S(dim)))] if dim != -1 and v.shape[dim] > 1 else []
+    return rows + [Row(R, (R, R))]

@@ -59,7 +59,7 @@ POINTWISE = [
 LINEAR = [
     aten.add.Tensor, aten.alias.default, aten.clone.default, aten.contiguous.default,
     aten.detach.default, aten.div.Scalar, aten.dropout.default, aten.mul.Scalar,
-    aten.neg.default, aten.sub.Tensor,
+    aten.neg.default, aten.sub.Tensor, aten.subtract.Tensor,
 ]
 
 # Multiplication and division by a replicated factor keep a Partial (sum) partial.
@@ -124,7 +124,7 @@ def linear_pointwise_rule(info: OpInfo):
     rows = broadcast_rows(info)
     if info.target is aten.dropout.default and info.arg(1, "p", 0.0) > 0 and info.arg(2, "train", True):
         return rows  # a random mask is not linear across partial summands
-    if info.target in (aten.add.Tensor, aten.sub.Tensor) and len(info.inputs) < 2:
+    if info.target in (aten.add.Tensor, aten.sub.Tensor, aten.subtract.Tensor) and len(info.inputs) < 2:
         return rows  # every rank would add the scalar to its summand
     if info.target in CONVERSIONS and not (info.inputs[0].dtype.is_floating_point
                                            and info.out.dtype.is_floating_point):

@@ -91,6 +91,32 @@ def permute_rule(info: OpInfo):
     return map_rows(info, {perm[o]: o for o in range(nd)})
 
 
+@register(aten.movedim.int)
+def movedim_rule(info: OpInfo):
+    """x.movedim(source, destination): a permutation, written by its moved dim."""
+    nd = info.inputs[0].ndim
+    src, dst = info.arg(1, "source") % nd, info.arg(2, "destination") % nd
+    order = [d for d in range(nd) if d != src]
+    order.insert(dst, src)
+    return map_rows(info, {order[o]: o for o in range(nd)})
+
+
+@register(aten.meshgrid.indexing, aten.meshgrid.default)
+def meshgrid_rule(info: OpInfo):
+    """meshgrid(t_0, ..., t_k-1): output j is t_j spread over the grid, so
+    splitting t_i splits every output along t_i's grid dim (dims 0 and 1
+    swap under indexing="xy"), the other inputs replicated."""
+    k = len(info.inputs)
+    xy = info.arg(1, "indexing", "ij") == "xy" and k >= 2
+    grid = [1, 0, *range(2, k)] if xy else list(range(k))
+    rows = []
+    for i, t in enumerate(info.inputs):
+        if t.shape[0] > 1:
+            rows.append(Row(S(grid[i]), tuple(S(0) if j == i else R for j in range(k)), items=(S(grid[i]),) * k))
+    rows.append(Row(R, (R,) * k, items=(R,) * k))
+    return rows
+
+
 @register(aten.expand.default)
 def expand_rule(info: OpInfo):
     """Broadcast to a larger shape: a dim that keeps its size splits in its new
