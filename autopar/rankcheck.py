@@ -1,0 +1,94 @@
+"""Checks that the ranks of a job agree where they must: the model's initial
+parameters and buffers, and in global-batch mode the batch.
+
+Every rank builds the model and passes the batch itself; a rank seeded apart
+before building the model, or fed by a sampler shuffled with its own seed,
+would otherwise train on without a word and report a loss that matches no
+single-device run (DDP broadcasts module state at construction for the same
+reason). The check compares a fingerprint of each tensor with rank 0's: one
+broadcast of every fingerprint, one all-gather of each rank's first mismatch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import RankMismatchError
+
+SAMPLE = 4096
+"""Elements of a tensor weighted by position in its fingerprint (strided over it)."""
+
+FIELDS = ("sum", "sum of squares", "position-weighted sample")
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Three float64 numbers that differ between two tensors unless they are
+    (almost surely) equal: the sum, the sum of squares, and a strided sample
+    weighted by position (which sees a permutation)."""
+    out = torch.zeros(3, dtype=torch.float64)
+    if t.device.type == "meta" or t.numel() == 0:
+        return out
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.to(torch.float64)
+    step = max(1, x.numel() // SAMPLE)
+    sample = x[::step]
+    weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=x.device)
+    return torch.stack([x.sum(), (x * x).sum(), (sample * weights).sum()]).cpu()
+
+
+def same_state(model: torch.nn.Module, device: torch.device) -> None:
+    """Raise ``RankMismatchError`` on every rank unless each holds rank 0's
+    initial parameters and buffers."""
+    entries = [(f"parameter {fqn!r}", p) for fqn, p in model.named_parameters()]
+    entries += [(f"buffer {fqn!r}", b) for fqn, b in model.named_buffers()]
+    _check(entries, device, _state_advice)
+
+
+def same_inputs(inputs, device: torch.device) -> None:
+    """Raise ``RankMismatchError`` on every rank unless each passed rank 0's batch."""
+    entries = [(f"input {i} (shape {list(x.shape)}, {x.dtype})", x)
+               for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+    _check(entries, device, _input_advice)
+
+
+def _state_advice(what: str, rank: int, values: str, more: str) -> str:
+    return (f"rank {rank} holds a different initial {what} than rank 0 ({values}){more}. Every rank must "
+            "start from the same parameters and buffers; the likely cause is a random seed that differs per rank "
+            "when the model is built (e.g. torch.manual_seed(rank) before creating it). Fix: seed every rank alike "
+            "(torch.manual_seed(0)) before building the model and seed per-rank things such as data "
+            "augmentation afterwards, or load the same checkpoint on every rank")
+
+
+def _input_advice(what: str, rank: int, values: str, more: str) -> str:
+    return (f"rank {rank} passed a different {what} than rank 0 ({values}){more}. In global-batch mode "
+            "(local_inputs=False, the default) every rank passes the whole global batch and the plan splits it; "
+            "the likely cause is a data loader or sampler shuffled with a different seed per rank (e.g. a "
+            "DistributedSampler, which gives each rank its own shard). Fix: pass local_inputs=True with each "
+            "rank's own shard of the batch, or seed the data loader alike on every rank so that all pass the "
+            "same batch")
+
+
+def _check(entries: list, device: torch.device, advice) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not entries:
+        return
+    mine = torch.stack([fingerprint(t) for _, t in entries]).to(device)
+    ref = mine.clone()
+    dist.broadcast(ref, src=0)
+    differs = ~torch.isclose(mine, ref, rtol=1e-9, atol=1e-12, equal_nan=True).all(dim=1)
+    bad = torch.nonzero(differs).flatten()
+    first = int(bad[0]) if bad.numel() else -1
+    row = mine[first] if first >= 0 else torch.zeros(3, dtype=torch.float64, device=device)
+    report = torch.cat([torch.tensor([first, bad.numel()], dtype=torch.float64, device=device), row])
+    gathered = [torch.empty_like(report) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, report)
+    for rank, r in enumerate(gathered):
+        index, count = int(r[0]), int(r[1])
+        if index < 0:
+            continue
+        name = entries[index][0]
+        values = "; ".join(f"{f} {a:.9g} on rank 0, {b:.9g} on rank {rank}"
+                           for f, a, b in zip(FIELDS, ref[index].tolist(), r[2:].tolist()))
+        more = f"; {count - 1} more tensor(s) differ on rank {rank}" if count > 1 else ""
+        raise RankMismatchError(advice(name, rank, values, more))
