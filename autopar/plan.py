@@ -111,8 +111,9 @@ class Plan:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.dumps())
+        """Write the plan atomically (autopar/outputs.py)."""
+        from autopar.outputs import write_text
+        write_text(path, self.dumps())
 
     @classmethod
     def from_json(cls, obj) -> "Plan":

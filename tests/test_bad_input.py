@@ -89,3 +89,80 @@ def test_fingerprint_sees_a_permutation_and_ignores_nothing():
     assert torch.equal(fingerprint(x), fingerprint(x.clone()))
     assert not torch.equal(fingerprint(x), fingerprint(x.flip(0)))  # same sum and sum of squares
     assert not torch.equal(fingerprint(x), fingerprint(x + 1e-3))
+
+
+# --- 2: output files -------------------------------------------------------
+
+def test_compile_refuses_to_overwrite_the_model_file(tmp_path, capsys, no_solve):
+    model = shutil.copy(os.path.join(ROOT, "examples", "mlp.py"), tmp_path / "mymodel.py")
+    before = open(model).read()
+    rc, _, err = run_cli(capsys, "compile", f"{model}:small", "--mesh", "2", "--cluster", "cpu", "-o", str(model))
+    assert rc == 2 and open(model).read() == before
+    assert f"compile -o {str(model)!r} exists and is not an autopar plan" in err
+    assert "will not overwrite it: name another file" in err
+
+
+@pytest.mark.parametrize("case", ["directory", "under a file", "unwritable", "cache is a file"])
+def test_compile_output_is_checked_before_solving(tmp_path, capsys, no_solve, case):
+    (tmp_path / "afile").write_text("x")
+    args = ["-o", str(tmp_path / "plan.json")]
+    if case == "directory":
+        args, expected = ["-o", str(tmp_path)], rf"compile -o '{tmp_path}' is a directory; name a file in it instead"
+    elif case == "under a file":
+        args = ["-o", str(tmp_path / "afile" / "plan.json")]
+        expected = rf"goes under '{tmp_path / 'afile'}', which is a file, not a directory"
+    elif case == "unwritable":
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("needs Linux's /proc, where nobody can create files (not even root)")
+        args, expected = ["-o", "/proc/plan.json"], r"cannot be written: '/proc' refuses new files \(.+\)"
+    else:
+        args += ["--cache", str(tmp_path / "afile")]
+        expected = rf"--cache '{tmp_path / 'afile'}' is a file, not a directory"
+    rc, _, err = run_cli(capsys, "compile", "examples/mlp.py:small", "--mesh", "2", "--cluster", "cpu", *args)
+    assert rc == 2 and re.search(expected, err), err
+    assert "choose" in err or "name" in err  # and what to do
+
+
+def test_compile_overwrites_its_own_plan(tmp_path, capsys, plan_file):
+    target = tmp_path / "plan.json"
+    shutil.copy(plan_file, target)
+    rc, out, _ = run_cli(capsys, "compile", "examples/mlp.py:small", "--mesh", "2", "--cluster", "cpu", "-q",
+                         "-o", str(target))
+    assert rc == 0 and "plan written to" in out
+    assert autopar.Plan.load(str(target)).mesh.shape == (2,)
+    assert os.listdir(tmp_path) == ["plan.json"]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch, plan_file):
+    """A full disk (ENOSPC at the rename) is an OutputError; the old plan stays
+    whole and no temporary file is left."""
+    import autopar.outputs
+    target = tmp_path / "plan.json"
+    shutil.copy(plan_file, target)
+    before = target.read_text()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(autopar.outputs.os, "replace", full)
+    with pytest.raises(OutputError, match=r"cannot write .*No space left on device; the file is left as it was"):
+        autopar.Plan.load(plan_file).save(str(target))
+    assert target.read_text() == before and os.listdir(tmp_path) == ["plan.json"]
+
+
+def test_codegen_refuses_a_non_empty_directory_without_force(tmp_path, capsys, plan_file):
+    out = tmp_path / "proj"
+    out.mkdir()
+    (out / "train.py").write_text("# my own training script\n")
+    rc, _, err = run_cli(capsys, "codegen", plan_file, "-o", str(out))
+    assert rc == 2 and (out / "train.py").read_text() == "# my own training script\n"
+    assert f"codegen -o {str(out)!r} is not empty (train.py)" in err and "pass --force" in err
+    rc, stdout, _ = run_cli(capsys, "codegen", plan_file, "-o", str(out), "--force")
+    assert rc == 0 and "wrote" in stdout
+    assert "autopar plan in plan.json" in (out / "train.py").read_text()
+    assert sorted(os.listdir(out)) == ["plan.json", "rank_program.py", "train.py"]
+
+
+def test_codegen_refuses_a_file_as_its_directory(tmp_path, capsys, plan_file):
+    (tmp_path / "proj").write_text("x")
+    rc, _, err = run_cli(capsys, "codegen", plan_file, "-o", str(tmp_path / "proj"))
+    assert rc == 2 and "is a file, not a directory; name a directory" in err
