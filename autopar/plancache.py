@@ -7,9 +7,10 @@ The key is everything the plan depends on: the traced graph's fingerprint
 (ops, shapes, dtypes, module paths), the mesh, the whole cluster
 description, every compile option, and a hash of the planner's own source
 (autopar, its cost models and sharding rules), so a new version of autopar
-never reads an old entry. An entry is the plan's JSON, written atomically;
-``plan.solver["cache"]`` says "hit" or "miss". A corrupt entry is a miss and
-is overwritten, with a warning.
+never reads an old entry. An entry is a checksum line (``sha256 <hex>``)
+and the plan's JSON, written atomically; ``plan.solver["cache"]`` says "hit"
+or "miss". A corrupt entry, or one edited by hand (its checksum no longer
+matches), is a miss and is overwritten, with a warning.
 
 The same directory holds solved *layer classes* (``layers/``): the
 intra-stage ILP a pipeline search solves per stage submesh and microbatch
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import autopar.cost_models
 import autopar.passes
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.solver import Solution
 
@@ -84,14 +86,29 @@ def store_solution(directory: str, key: str, solution: Solution) -> None:
     _write(Path(directory).expanduser() / LAYERS, key, json.dumps(asdict(solution), sort_keys=True, default=str))
 
 
+CHECKSUM = "sha256 "
+"""An entry's first line: ``sha256 <hex digest of the rest>``."""
+
+
 def _read(path: Path, parse):
     if not path.exists():
         return None
     try:
-        return parse(path.read_text())
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("autopar: plan cache entry %s is unreadable (%s); solving again and replacing it", path, e)
+        return parse(_verified(path.read_text()))
+    except (ValueError, KeyError, TypeError, AutoparError) as e:
+        log.warning("autopar: plan cache entry %s is unreadable: %s; solving again and replacing it", path, e)
         return None
+
+
+def _verified(text: str) -> str:
+    """The entry's body, if its checksum matches (an entry edited by hand, or
+    cut short, does not)."""
+    first, _, body = text.partition("\n")
+    if not first.startswith(CHECKSUM):
+        raise ValueError("it has no checksum line")
+    if hashlib.sha256(body.encode()).hexdigest() != first[len(CHECKSUM):]:
+        raise ValueError("its sha256 checksum does not match its contents (edited or truncated)")
+    return body
 
 
 def _write(folder: Path, key: str, text: str) -> None:
@@ -99,5 +116,5 @@ def _write(folder: Path, key: str, text: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        f.write(text)
+        f.write(f"{CHECKSUM}{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
     os.replace(tmp, folder / f"{key}.json")

@@ -166,3 +166,107 @@ def test_codegen_refuses_a_file_as_its_directory(tmp_path, capsys, plan_file):
     (tmp_path / "proj").write_text("x")
     rc, _, err = run_cli(capsys, "codegen", plan_file, "-o", str(tmp_path / "proj"))
     assert rc == 2 and "is a file, not a directory; name a directory" in err
+
+
+# --- 4: plans validated on load --------------------------------------------
+
+def _set(path: list, value):
+    def edit(obj):
+        for key in path[:-1]:
+            obj = obj[key]
+        obj[path[-1]] = value
+    return edit
+
+
+def _drop(path: list):
+    def edit(obj):
+        for key in path[:-1]:
+            obj = obj[key]
+        del obj[path[-1]]
+    return edit
+
+
+def _param(field, value):
+    return _set(["parameters", "layers.0.weight", field], value)
+
+
+EDITS = {
+    "placement Q": (_param("placements", ["Q", "R"]),
+                    r"plan parameter 'layers.0.weight', mesh axis 'x': placement 'Q' is not valid; "
+                    r"expected S\(<dim>\), R, P"),
+    "S(7) of a matrix": (_param("placements", ["S(7)", "R"]),
+                         r"placement 'S\(7\)' shards dimension 7, but the tensor has shape \[1024, 256\] \(2 dims\); "
+                         r"valid: S\(0\), S\(1\), R or P"),
+    "shape edited": (_param("shape", [7, 3]),
+                     r"plan parameter 'layers.0.weight' with shape \[7, 3\] .* does not divide mesh axis"),
+    "local shape edited": (_param("local_shape", [1024, 256]),
+                           r"local_shape \[1024, 256\] is not its shape \[1024, 256\] divided over the mesh "
+                           r"\[2, 2\] .* which is \[\d+, \d+\]; recompile the plan"),
+    "mesh edited, topology not": (_set(["mesh", "shape"], [4, 1]),
+                                  r"plan mesh shape \[4, 1\] .* does not match its topology, which maps axes "
+                                  r"\['x', 'y'\] of sizes \[2, 2\].* --mesh 4x1"),
+    "predicted null": (_set(["predicted"], None),
+                       r"plan field 'predicted' must be an object of numbers .* got None; recompile the plan"),
+    "predicted step missing": (_drop(["predicted", "step_time_s"]),
+                               r"plan field 'predicted.step_time_s' is missing; it must be a number"),
+    "predicted step a string": (_set(["predicted", "comm_s"], "fast"),
+                                r"plan field 'predicted.comm_s' must be a number, got 'fast'"),
+    "solver null": (_set(["solver"], None), r"plan field 'solver' must be an object"),
+    "collective on no axis": (lambda o: o["collectives"].append(
+        {"kind": "all_reduce", "phase": "backward", "mesh_axes": ["z"], "bytes": 4, "seconds": 0.0}),
+        r"collective mesh_axes \['z'\] must be a list of the mesh's axes \['x', 'y'\]"),
+}
+
+
+def _placement_edit(obj):
+    """Change a weight's placement (and its local shape alike) but not the
+    graph node that produces it: every rank would fail in a matmul."""
+    entry = obj["parameters"]["layers.0.weight"]
+    entry["placements"], entry["local_shape"] = ["R", "R"], entry["shape"]
+
+
+EDITS["placement edited, node not"] = (
+    _placement_edit, r"plan parameter 'layers.0.weight' is placed RR but its graph node '\w+' produces it as "
+                     r"\S+; they must agree .* recompile the plan")
+
+
+@pytest.mark.parametrize("case", list(EDITS))
+def test_hand_edited_plans_are_refused_by_every_command(tmp_path, capsys, plan_file, case):
+    edit, expected = EDITS[case]
+    obj = json.load(open(plan_file))
+    edit(obj)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(obj))
+    with pytest.raises(PlanError, match=expected):
+        autopar.Plan.load(str(bad))
+    for argv in (["show", str(bad)], ["diff", plan_file, str(bad)], ["viz", str(bad), "-o", str(tmp_path / "v.html")],
+                 ["codegen", str(bad), "-o", str(tmp_path / "proj")]):
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 2 and err.startswith("autopar: error: ") and re.search(expected, err), (argv, err)
+        assert "Traceback" not in err
+
+
+def test_truncated_plan_is_refused(tmp_path, plan_file):  # worked before issue 27
+    bad = tmp_path / "cut.json"
+    bad.write_text(open(plan_file).read()[:500])
+    with pytest.raises(PlanError, match=r"is not valid JSON .*; it may be truncated or corrupt"):
+        autopar.Plan.load(str(bad))
+
+
+def test_hand_edited_cache_entry_is_solved_again(tmp_path, caplog):
+    """An entry edited by hand (valid JSON, its predicted step set to 0) no
+    longer matches its checksum: a miss, with a warning, solved and replaced."""
+    from mlp import small
+    model, inputs, loss = small()
+    cache = str(tmp_path / "plans")
+    first = autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss, cache=cache)
+    (entry,) = (tmp_path / "plans").glob("*.json")
+    text = entry.read_text()
+    step = first.predicted["step_time_s"]
+    assert text.startswith("sha256 ") and repr(step) in text
+    entry.write_text(text.replace(repr(step), "0.0"))
+    with caplog.at_level("WARNING", logger="autopar"):
+        again = autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss, cache=cache)
+    assert again.solver["cache"] == "miss" and again.predicted["step_time_s"] == step
+    assert "checksum does not match its contents (edited or truncated); solving again" in caplog.text
+    assert autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss, cache=cache).solver["cache"] == "hit"
