@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from autopar import errors, rankcheck, spmd
-from autopar.errors import AutoparError, LaunchError
+from autopar.errors import AutoparError, FactoryError, LaunchError
 from autopar.passes.strategy import parse_spec
 from autopar.plan import Plan
+from autopar.tracebacks import format_frames, user_frames
 
 
 def in_torchrun() -> bool:
@@ -296,15 +297,32 @@ def load_factory(spec: str):
         loader_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[mod_name] = module
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise FactoryError(_factory_failure(f"importing model file {path}", e, folder)) from None
     if not hasattr(module, name):
         raise AutoparError(f"{path} has no factory {name!r}")
-    out = getattr(module, name)()
+    try:
+        out = getattr(module, name)()
+    except Exception as e:
+        raise FactoryError(_factory_failure(f"factory {spec}", e, folder)) from None
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise AutoparError(f"factory {spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
     model, inputs = out[0], out[1]
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     return model, inputs, out[2] if len(out) == 3 else None
+
+
+def _factory_failure(what: str, e: Exception, folder: str) -> str:
+    """What failed, the error, and the user's own frames (those under the model
+    file's folder, not autopar's or torch's), as a traceback shows them."""
+    if isinstance(e, SyntaxError):
+        where = f"  File \"{e.filename}\", line {e.lineno}\n    {(e.text or '').strip()}\n"
+        return f"{what} failed: SyntaxError: {e.msg}\n{where}fix the syntax error and run again"
+    return (f"{what} raised {type(e).__name__}: {e}\nin your code (most recent call last):\n"
+            f"{format_frames(user_frames(e, folder))}fix the error in your code above and run again")
 
 
 def single_device_reference(source: str, steps: int, lr: float):

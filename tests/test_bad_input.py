@@ -270,3 +270,107 @@ def test_hand_edited_cache_entry_is_solved_again(tmp_path, caplog):
     assert again.solver["cache"] == "miss" and again.predicted["step_time_s"] == step
     assert "checksum does not match its contents (edited or truncated); solving again" in caplog.text
     assert autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss, cache=cache).solver["cache"] == "hit"
+
+
+# --- 5: raw tracebacks -----------------------------------------------------
+
+FAILING_FACTORY = '''import torch
+
+
+def width():
+    raise ValueError("width must come from the config")
+
+
+def make():
+    return torch.nn.Linear(width(), 4), (torch.randn(2, 4),)
+'''
+
+
+def test_a_factory_that_raises_shows_the_users_frames(tmp_path, capsys):
+    path = write_model(tmp_path, "failing.py", FAILING_FACTORY)
+    with pytest.raises(FactoryError) as info:
+        autopar.runtime.load_factory(f"{path}:make")
+    message = str(info.value)
+    assert message.startswith(f"factory {path}:make raised ValueError: width must come from the config")
+    assert f'File "{path}", line 9, in make' in message and f'File "{path}", line 5, in width' in message
+    assert "autopar/runtime.py" not in message and "fix the error in your code" in message
+    rc, _, err = run_cli(capsys, "compile", f"{path}:make", "--mesh", "2", "--cluster", "cpu",
+                         "-o", str(tmp_path / "p.json"))
+    assert rc == 2 and "raised ValueError: width must come from the config" in err and "Traceback" not in err
+
+
+def test_a_factory_file_with_a_syntax_error(tmp_path):
+    path = write_model(tmp_path, "broken.py", "import torch\n\ndef make(:\n    pass\n")
+    with pytest.raises(FactoryError, match=rf"importing model file {re.escape(path)} failed: SyntaxError: .*\n"
+                                           rf'  File "{re.escape(path)}", line 3\n    def make\(:\n'
+                                           r"fix the syntax error"):
+        autopar.runtime.load_factory(f"{path}:make")
+
+
+def test_a_factory_file_that_fails_on_import(tmp_path):
+    path = write_model(tmp_path, "importfail.py", "import torch\nSIZE = int('wide')\n")
+    with pytest.raises(FactoryError, match=rf"importing model file .* raised ValueError: invalid literal .*\n"
+                                           rf'in your code \(most recent call last\):\n'
+                                           rf'  File "{re.escape(path)}", line 2, in <module>'):
+        autopar.runtime.load_factory(f"{path}:make")
+
+
+BAD_MODELS = '''import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return self.a(x) * scale
+
+
+def with_int():
+    return Scaled(), (torch.randn(4, 8), 3, torch.randn(4, 8)), F.mse_loss
+
+
+def with_none_target():
+    return Scaled(), (torch.randn(4, 8), torch.ones(()), None), F.mse_loss
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+def branchy():
+    return Branchy(), (torch.randn(4, 8),), None
+'''
+
+
+@pytest.mark.parametrize("factory, expected", [
+    ("with_int", r"example input 1 is 3 of type int, not a tensor; .*pass it as a tensor \(e.g. torch.tensor"),
+    ("with_none_target", r"the target is None of type NoneType, not a tensor; .*leave it out of example_inputs"),
+])
+def test_non_tensor_example_inputs(tmp_path, capsys, factory, expected):
+    path = write_model(tmp_path, "bad_models.py", BAD_MODELS)
+    model, inputs, loss = autopar.runtime.load_factory(f"{path}:{factory}")
+    with pytest.raises(InputError, match=expected):
+        autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss)
+
+
+def test_data_dependent_control_flow_names_the_line_and_the_fix(tmp_path):
+    path = write_model(tmp_path, "bad_models.py", BAD_MODELS)
+    model, inputs, loss = autopar.runtime.load_factory(f"{path}:branchy")
+    with pytest.raises(autopar.AutoparError) as info:
+        autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss)
+    message = str(info.value)
+    assert message.startswith(f"the forward depends on a tensor's value at {path}:30 (if h.sum() > 0:)")
+    assert "move the branch out of the traced step" in message and "torch.where(cond, a, b)" in message
+    assert "torch.cond" in message
