@@ -374,3 +374,45 @@ def test_data_dependent_control_flow_names_the_line_and_the_fix(tmp_path):
     assert message.startswith(f"the forward depends on a tensor's value at {path}:30 (if h.sum() > 0:)")
     assert "move the branch out of the traced step" in message and "torch.where(cond, a, b)" in message
     assert "torch.cond" in message
+
+
+# --- 6: a mesh larger than the cluster --------------------------------------
+
+def test_a_mesh_larger_than_the_cluster():
+    from autopar.cost_models.cluster import get_cluster
+    from autopar.mesh import parse_mesh
+    with pytest.raises(ClusterError, match=r"mesh x=1000000000000 needs 1,000,000,000,000 devices, but cluster "
+                                           r"'cpu' has 4 \(1 node\(s\) x 4 devices per node\): use a mesh of at "
+                                           r"most 4 devices, or a cluster description with more nodes"):
+        get_cluster("cpu").check_fits(parse_mesh(10**12))
+    get_cluster("dgx-a100").check_fits(parse_mesh(10**12))  # nodes: null, as many as the mesh needs
+
+
+def test_compile_refuses_a_mesh_larger_than_the_cluster(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "compile", "examples/mlp.py:small", "--mesh", str(10**12), "--cluster", "cpu",
+                         "-o", str(tmp_path / "p.json"))
+    assert rc == 2 and "needs 1,000,000,000,000 devices, but cluster 'cpu' has 4" in err
+
+
+# --- cases that already worked before issue 27 ------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--mesh", "2x0"], r"mesh '2x0': axis size 0 is not a positive integer"),
+    (["--mesh", "2", "--cluster", "dgx-z"], r"valid presets are"),
+    (["--mesh", "2", "--memory", "lots"], r"memory 'lots' is not a size; write e.g. 80GB"),
+])
+def test_bad_compile_arguments(capsys, tmp_path, argv, expected):
+    argv = argv if "--cluster" in argv else [*argv, "--cluster", "cpu"]
+    rc, _, err = run_cli(capsys, "compile", "examples/mlp.py:small", *argv, "-o", str(tmp_path / "p.json"))
+    assert rc == 2 and re.search(expected, err), err
+
+
+def test_a_factory_returning_the_wrong_tuple(tmp_path):
+    path = write_model(tmp_path, "wrong.py", "import torch\n\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    with pytest.raises(autopar.AutoparError, match=r"must return \(model, example_inputs\) or"):
+        autopar.runtime.load_factory(f"{path}:make")
+
+
+def test_mesh_error_type():
+    with pytest.raises(MeshError, match=r"every axis size must be a positive integer"):
+        autopar.Mesh((2, -1), ("x", "y"))
