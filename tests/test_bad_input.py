@@ -59,22 +59,24 @@ def write_model(folder, name: str, text: str) -> str:
 
 @pytest.mark.launch
 def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
-    """Seeded apart before building the model, fed different batches in
-    global-batch mode, or with a compile that fails on rank 0 (caught by the
-    script): every rank raises the same typed error, and the script goes on."""
+    """Seeded apart before building the model (a flat or a pipelined plan),
+    fed different batches in global-batch mode, or with a compile that fails
+    on rank 0 (caught by the script): every rank raises the same typed error,
+    and the script goes on."""
     proc = torchrun(["tests/fixtures/bad_ranks.py", FASTNET], 2, timeout=300)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stdout[-2000:]
     lines = dict(re.findall(r"^case (\d rank \d): (.*)$", proc.stdout, re.M))
-    assert len(lines) == 8, proc.stdout
+    assert len(lines) == 10, proc.stdout
     for rank in (0, 1):
-        seeds, batches, infeasible = (lines[f"{case} rank {rank}"] for case in (1, 2, 3))
+        seeds, batches, infeasible, pipelined = (lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4))
         assert seeds.startswith("RankMismatchError: rank 1 holds a different initial parameter 'layers.0.weight'")
+        assert pipelined.startswith("RankMismatchError: rank 1 holds a different initial parameter 'tok.weight'")
         assert "random seed that differs per rank" in seeds and "torch.manual_seed(0)) before building" in seeds
         assert batches.startswith("RankMismatchError: rank 1 passed a different input 0 (shape [8, 32]")
         assert "sampler" in batches and "local_inputs=True" in batches and "seed the data loader alike" in batches
         assert infeasible.startswith("InfeasibleError: no plan fits in 1 B per device")
     assert lines["3 rank 1"] == lines["3 rank 0"]  # rank 0's error, word for word
-    assert lines["4 rank 0"] == lines["4 rank 1"] and lines["4 rank 0"].startswith("loss ")
+    assert lines["0 rank 0"] == lines["0 rank 1"] and lines["0 rank 0"].startswith("loss ")
 
 
 def test_rank_mismatch_error_is_an_autopar_error():
