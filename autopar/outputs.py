@@ -16,18 +16,18 @@ import tempfile
 from autopar.errors import OutputError
 
 
-def check_file(path: str, what: str, is_ours) -> None:
+def check_file(path: str, what: str, is_ours, ours: str = "an autopar plan (no \"schema\": "
+               "\"autopar.plan/...\" in it)") -> None:
     """``path`` can be written as a file: not a directory, its folder not a
     file, writable; an existing file only if ``is_ours(text)`` says autopar
-    wrote it."""
+    wrote it (``ours`` says what that is)."""
     if os.path.isdir(path):
         raise OutputError(f"{what} {path!r} is a directory; name a file in it instead, e.g. "
                           f"{os.path.join(path, 'plan.json')!r}")
     _check_folder(os.path.dirname(os.path.abspath(path)), what, path)
     if os.path.exists(path) and not is_ours(_read(path)):
-        raise OutputError(f"{what} {path!r} exists and is not an autopar plan (no \"schema\": "
-                          "\"autopar.plan/...\" in it); autopar will not overwrite it: name another file, "
-                          "or move that one away first")
+        raise OutputError(f"{what} {path!r} exists and is not {ours}; autopar will not overwrite it: name "
+                          "another file, or move that one away first")
 
 
 def check_dir(path: str, what: str, force: bool = False) -> None:

@@ -170,6 +170,18 @@ def test_codegen_refuses_a_file_as_its_directory(tmp_path, capsys, plan_file):
     assert rc == 2 and "is a file, not a directory; name a directory" in err
 
 
+def test_viz_refuses_to_overwrite_what_it_did_not_write(tmp_path, capsys, plan_file):
+    plan = shutil.copy(plan_file, tmp_path / "plan.json")
+    before = open(plan).read()
+    rc, _, err = run_cli(capsys, "viz", str(plan), "-o", str(plan))
+    assert rc == 2 and open(plan).read() == before
+    assert f"viz -o {str(plan)!r} exists and is not a page autopar viz wrote; autopar will not overwrite it" in err
+    for _ in range(2):  # its own page it replaces
+        rc, out, _ = run_cli(capsys, "viz", str(plan), "-o", str(tmp_path / "plan.html"))
+        assert rc == 0 and out.startswith("wrote")
+    assert sorted(os.listdir(tmp_path)) == ["plan.html", "plan.json"]
+
+
 # --- 4: plans validated on load --------------------------------------------
 
 def _set(path: list, value):
