@@ -18,24 +18,29 @@ from autopar.errors import RankMismatchError
 SAMPLE = 4096
 """Elements of a tensor weighted by position in its fingerprint (strided over it)."""
 
+CHUNK = 1 << 24
+"""Elements summed at a time."""
+
 FIELDS = ("sum", "sum of squares", "position-weighted sample")
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Three float64 numbers that differ between two tensors unless they are
     (almost surely) equal: the sum, the sum of squares, and a strided sample
-    weighted by position (which sees a permutation)."""
-    out = torch.zeros(3, dtype=torch.float64)
+    weighted by position (which sees a permutation). Summed in chunks, so a
+    large embedding never has a float64 copy of itself."""
     if t.device.type == "meta" or t.numel() == 0:
-        return out
+        return torch.zeros(3, dtype=torch.float64)
     x = t.detach().reshape(-1)
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
-    x = x.to(torch.float64)
-    step = max(1, x.numel() // SAMPLE)
-    sample = x[::step]
+    total = torch.zeros(2, dtype=torch.float64, device=x.device)
+    for start in range(0, x.numel(), CHUNK):
+        chunk = x[start:start + CHUNK].to(torch.float64)
+        total += torch.stack([chunk.sum(), (chunk * chunk).sum()])
+    sample = x[::max(1, x.numel() // SAMPLE)].to(torch.float64)
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=x.device)
-    return torch.stack([x.sum(), (x * x).sum(), (sample * weights).sum()]).cpu()
+    return torch.cat([total, (sample * weights).sum().reshape(1)]).cpu()
 
 
 def same_state(model: torch.nn.Module, device: torch.device) -> None:
