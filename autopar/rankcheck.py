@@ -45,10 +45,34 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def same_state(model: torch.nn.Module, device: torch.device) -> None:
     """Raise ``RankMismatchError`` on every rank unless each holds rank 0's
-    initial parameters and buffers."""
+    initial parameters and (persistent) buffers; non-persistent buffers take
+    rank 0's values instead (``share_scratch``)."""
+    scratch = scratch_buffers(model)
     entries = [(f"parameter {fqn!r}", p) for fqn, p in model.named_parameters()]
-    entries += [(f"buffer {fqn!r}", b) for fqn, b in model.named_buffers()]
+    entries += [(f"buffer {fqn!r}", b) for fqn, b in model.named_buffers() if fqn not in scratch]
     _check(entries, device, _state_advice)
+    share_scratch(model, device, scratch)
+
+
+def scratch_buffers(model: torch.nn.Module) -> set:
+    """The non-persistent buffers (``register_buffer(..., persistent=False)``):
+    left out of checkpoints, often scratch space or a cache made with
+    ``torch.empty``, whose initial values may differ between ranks harmlessly."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() for name in module._non_persistent_buffers_set}
+
+
+def share_scratch(model: torch.nn.Module, device: torch.device, scratch: set) -> None:
+    """Non-persistent buffers take rank 0's values, as DDP broadcasts module
+    state: the ranks then agree whether the buffer is scratch or not."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for fqn, b in model.named_buffers():
+        if fqn in scratch and b.device.type != "meta":
+            shared = b.detach().to(device).contiguous()
+            dist.broadcast(shared, src=0)
+            with torch.no_grad():
+                b.copy_(shared)
 
 
 def same_inputs(inputs, device: torch.device) -> None:

@@ -77,6 +77,7 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
         assert infeasible.startswith("InfeasibleError: no plan fits in 1 B per device")
     assert lines["3 rank 1"] == lines["3 rank 0"]  # rank 0's error, word for word
     assert lines["0 rank 0"] == lines["0 rank 1"] and lines["0 rank 0"].startswith("loss ")
+    assert lines["0 rank 1"].endswith("scratch [0.0, 0.0, 0.0]")  # rank 0's
 
 
 def test_rank_mismatch_error_is_an_autopar_error():
