@@ -25,14 +25,13 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import autopar.cost_models
 import autopar.passes
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, OutputError
+from autopar.outputs import write_text
 from autopar.plan import Plan
 from autopar.solver import Solution
 
@@ -112,9 +111,10 @@ def _verified(text: str) -> str:
 
 
 def _write(folder: Path, key: str, text: str) -> None:
-    """Atomically: a reader sees the old entry or the new one, never half."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{CHECKSUM}{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
-    os.replace(tmp, folder / f"{key}.json")
+    """Atomically: a reader sees the old entry or the new one, never half. A
+    cache that cannot be written (a full disk) is warned about; the plan
+    solved is still returned."""
+    try:
+        write_text(str(folder / f"{key}.json"), f"{CHECKSUM}{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
+    except OutputError as e:
+        log.warning("autopar: the plan cache did not store this plan: %s", e)

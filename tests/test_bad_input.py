@@ -126,6 +126,33 @@ def test_compile_output_is_checked_before_solving(tmp_path, capsys, no_solve, ca
     assert "choose" in err or "name" in err  # and what to do
 
 
+def test_compile_cache_naming_a_file_is_refused_before_tracing(tmp_path, monkeypatch):
+    import autopar.compiler
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("the model was traced before the bad cache was reported")
+    monkeypatch.setattr(autopar.compiler, "capture", no_capture)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputError, match=r"cache '.*afile' is a file, not a directory; name a directory"):
+        autopar.compile(None, (), mesh=2, cluster="cpu", cache=str(tmp_path / "afile"))
+
+
+def test_a_cache_that_cannot_be_written_is_warned_about(tmp_path, monkeypatch, caplog):
+    """A full disk when storing the solved plan: a warning, and the plan."""
+    import autopar.outputs
+    from mlp import small
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(autopar.outputs.os, "replace", full)
+    model, inputs, loss = small()
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = autopar.compile(model, inputs, mesh=2, cluster="cpu", loss_fn=loss, cache=str(tmp_path / "plans"))
+    assert plan.solver["cache"] == "miss" and os.listdir(tmp_path / "plans") == []
+    assert "the plan cache did not store this plan: cannot write" in caplog.text
+    assert "No space left on device" in caplog.text
+
+
 def test_compile_overwrites_its_own_plan(tmp_path, capsys, plan_file):
     target = tmp_path / "plan.json"
     shutil.copy(plan_file, target)
