@@ -292,7 +292,7 @@ def stage_sources(model: nn.Module, plan: Plan, loss_fn=None) -> dict:
 class PipelinedModule(nn.Module):
     """The user's model, running a pipelined ``plan`` on this rank."""
 
-    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None):
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None, check_ranks: bool = True):
         super().__init__()
         if plan.pipeline is None:
             raise PlanError("this plan does not pipeline (its 'pipeline' section is null); run it with "
@@ -316,7 +316,8 @@ class PipelinedModule(nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
             else torch.device("cpu")
         self._device = device
-        rankcheck.same_state(model, device)  # every rank holds the whole model before it is split
+        if check_ranks:  # every rank holds the whole model before it is split
+            rankcheck.same_state(model, device)
         self._inputs_checked = False
 
         # the microbatch graph, sliced as the plan says

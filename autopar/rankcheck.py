@@ -100,7 +100,7 @@ def _input_advice(what: str, rank: int, values: str, more: str) -> str:
 
 
 def _check(entries: list, device: torch.device, advice) -> None:
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not entries:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not _same_count(entries, device, advice):
         return
     mine = torch.stack([fingerprint(t) for _, t in entries]).to(device)
     ref = mine.clone()
@@ -121,3 +121,22 @@ def _check(entries: list, device: torch.device, advice) -> None:
                            for f, a, b in zip(FIELDS, ref[index].tolist(), r[2:].tolist()))
         more = f"; {count - 1} more tensor(s) differ on rank {rank}" if count > 1 else ""
         raise RankMismatchError(advice(name, rank, values, more))
+
+
+def _same_count(entries: list, device: torch.device, advice) -> bool:
+    """Whether there is anything to compare: raise on every rank unless each
+    has as many tensors as rank 0 (else the fingerprints would not line up)."""
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(entries)], dtype=torch.int64, device=device))
+    counts = [int(c) for c in counts]
+    for rank, n in enumerate(counts):
+        if n != counts[0] and advice is _state_advice:
+            raise RankMismatchError(
+                f"rank {rank} holds {n} parameters and buffers, rank 0 holds {counts[0]}: the ranks built different "
+                "models. Every rank must build the same model (the same code and configuration) before it is "
+                "parallelized")
+        if n != counts[0]:
+            raise RankMismatchError(
+                f"rank {rank} passed {n} tensor inputs, rank 0 passed {counts[0]}. In global-batch mode "
+                "(local_inputs=False, the default) every rank passes the same whole batch")
+    return counts[0] > 0

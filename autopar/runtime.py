@@ -147,8 +147,10 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
                  device_mesh=None, local_inputs: bool = False, sharded: bool = False,
-                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES):
+                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES, check_ranks: bool = True):
         """``sharded=True``: the model's parameters already are this rank's shards.
+        ``check_ranks=False``: the caller has checked that every rank holds
+        rank 0's model (``rankcheck.same_state``; done here otherwise).
         ``bucket_bytes``: the size of the buckets replicated parameters'
         gradients are all-reduced in during backward (``spmd.GradSync``;
         DDP's default); None: one blocking all-reduce per parameter."""
@@ -162,7 +164,7 @@ class ParallelModule(nn.Module):
         self._program = program
         self._local_inputs = local_inputs
         self._inputs_checked = local_inputs  # a global batch is checked to be one batch at the first forward
-        if not sharded:
+        if check_ranks and not sharded:
             rankcheck.same_state(model, device)
         self._placements = {}
         nd = plan.mesh.ndim

@@ -60,15 +60,18 @@ def write_model(folder, name: str, text: str) -> str:
 @pytest.mark.launch
 def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
     """Seeded apart before building the model (a flat or a pipelined plan),
-    fed different batches in global-batch mode, or with a compile that fails
-    on rank 0 (caught by the script): every rank raises the same typed error,
-    and the script goes on."""
+    building different models, fed different batches in global-batch mode, or
+    with a compile that fails on rank 0 (caught by the script): every rank
+    raises the same typed error, and the script goes on."""
     proc = torchrun(["tests/fixtures/bad_ranks.py", FASTNET], 2, timeout=300)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stdout[-2000:]
     lines = dict(re.findall(r"^case (\d rank \d): (.*)$", proc.stdout, re.M))
-    assert len(lines) == 10, proc.stdout
+    assert len(lines) == 12, proc.stdout
     for rank in (0, 1):
-        seeds, batches, infeasible, pipelined = (lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4))
+        seeds, batches, infeasible, pipelined, models = (lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4, 5))
+        assert models == ("RankMismatchError: rank 1 holds 5 parameters and buffers, rank 0 holds 4: the ranks built "
+                          "different models. Every rank must build the same model (the same code and configuration) "
+                          "before it is parallelized")
         assert seeds.startswith("RankMismatchError: rank 1 holds a different initial parameter 'layers.0.weight'")
         assert pipelined.startswith("RankMismatchError: rank 1 holds a different initial parameter 'tok.weight'")
         assert "random seed that differs per rank" in seeds and "torch.manual_seed(0)) before building" in seeds
