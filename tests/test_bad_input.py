@@ -66,9 +66,11 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
     proc = torchrun(["tests/fixtures/bad_ranks.py", FASTNET], 2, timeout=300)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stdout[-2000:]
     lines = dict(re.findall(r"^case (\d rank \d): (.*)$", proc.stdout, re.M))
-    assert len(lines) == 12, proc.stdout
+    assert len(lines) == 14, proc.stdout
     for rank in (0, 1):
-        seeds, batches, infeasible, pipelined, models = (lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4, 5))
+        seeds, batches, infeasible, pipelined, models, pipelined_batches = (
+            lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4, 5, 6))
+        assert pipelined_batches.startswith("RankMismatchError: rank 1 passed a different input 0 (shape [4, 8]")
         assert models == ("RankMismatchError: rank 1 holds 5 parameters and buffers, rank 0 holds 4: the ranks built "
                           "different models. Every rank must build the same model (the same code and configuration) "
                           "before it is parallelized")
