@@ -85,6 +85,22 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
     assert lines["0 rank 1"].endswith("scratch [0.0, 0.0, 0.0]")  # rank 0's
 
 
+@pytest.mark.parametrize("error, expected_type, expected", [
+    (autopar.InfeasibleError("no plan fits in 1 B", needed_bytes=64.0, status="INFEASIBLE"), autopar.InfeasibleError,
+     "no plan fits in 1 B"),
+    (PlanError("plan field 'predicted' ..."), PlanError, "plan field 'predicted' ..."),
+    (RuntimeError("CUDA out of memory"), autopar.AutoparError,
+     "compiling the plan on rank 0 raised RuntimeError: CUDA out of memory"),
+])
+def test_rank_0s_compile_error_as_the_other_ranks_raise_it(error, expected_type, expected):
+    """What ranks 1..N raise for the error payload rank 0 broadcasts in the plan's place."""
+    from autopar.runtime import _error_payload, _remote_error
+    raised = _remote_error(_error_payload(error))
+    assert type(raised) is expected_type and str(raised) == expected
+    if isinstance(error, autopar.InfeasibleError):
+        assert (raised.needed_bytes, raised.status) == (64.0, "INFEASIBLE")
+
+
 def test_fingerprint_sees_a_permutation_and_a_small_change():
     import torch
 
