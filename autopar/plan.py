@@ -170,6 +170,7 @@ class Plan:
             for key in ("bytes", "seconds"):
                 _number(f"plan collective {c.get('node', '?')!r} field {key!r}", c.get(key))
         _check_numbers("predicted", obj["predicted"], PREDICTED_REQUIRED, PREDICTED_OPTIONAL)
+        _check_memory(obj["predicted"])
         _check_numbers("solver", obj["solver"], ("objective", "variables", "constraints"), ("wall_s",))
         _require(isinstance(obj["solver"].get("status"), str),
                  f"plan field 'solver.status' must be a string like 'OPTIMAL', got {obj['solver'].get('status')!r}",
@@ -223,8 +224,14 @@ def _check_numbers(field_name: str, obj, required: tuple, optional: tuple) -> No
     for key in optional:
         if key in obj:
             _number(f"plan field '{field_name}.{key}'", obj[key], optional=True)
-    for key, value in (obj.get("memory") or {}).items() if isinstance(obj.get("memory"), dict) else ():
-        _number(f"plan field '{field_name}.memory.{key}'", value)
+
+
+def _check_memory(predicted: dict) -> None:
+    memory = predicted.get("memory", {})
+    _require(isinstance(memory, dict), "plan field 'predicted.memory' must be an object of bytes by kind, "
+             f"like {{'parameters': 1e9}}, got {memory!r:.80}", memory)
+    for key, value in memory.items():
+        _number(f"plan field 'predicted.memory.{key}'", value)
 
 
 def _check_topology(topology, mesh: Mesh) -> None:

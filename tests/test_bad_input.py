@@ -270,6 +270,8 @@ EDITS = {
                                r"plan field 'predicted.step_time_s' is missing; it must be a number"),
     "predicted step a string": (_set(["predicted", "comm_s"], "fast"),
                                 r"plan field 'predicted.comm_s' must be a number, got 'fast'"),
+    "predicted memory a list": (_set(["predicted", "memory"], [1, 2]),
+                                r"plan field 'predicted.memory' must be an object of bytes by kind"),
     "solver null": (_set(["solver"], None), r"plan field 'solver' must be an object"),
     "collective on no axis": (lambda o: o["collectives"].append(
         {"kind": "all_reduce", "phase": "backward", "mesh_axes": ["z"], "bytes": 4, "seconds": 0.0}),
