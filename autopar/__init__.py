@@ -6,7 +6,8 @@
 from autopar.api import autoparallelize
 from autopar.compiler import compile
 from autopar.errors import (
-    AutoparError, ClusterError, InfeasibleError, LaunchError, MeshError, PlanError, ShardingError,
+    AutoparError, ClusterError, FactoryError, InfeasibleError, InputError, LaunchError, MeshError, OutputError,
+    PlanError, RankMismatchError, ShardingError,
 )
 from autopar.mesh import Mesh, parse_mesh
 from autopar.plan import Plan
@@ -14,6 +15,7 @@ from autopar.runtime import shutdown
 
 __all__ = [
     "autoparallelize", "compile", "Plan", "Mesh", "parse_mesh", "AutoparError", "ClusterError",
-    "InfeasibleError", "LaunchError", "MeshError", "PlanError", "ShardingError", "shutdown",
+    "InfeasibleError", "LaunchError", "MeshError", "PlanError", "ShardingError", "RankMismatchError", "OutputError",
+    "FactoryError", "InputError", "shutdown",
 ]
 __version__ = "0.1.0"

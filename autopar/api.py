@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from autopar import rankcheck
 from autopar.codegen import build_program, load_program, program_source
 from autopar.capture import capture
 from autopar.compiler import compile as compile_plan
@@ -47,6 +48,9 @@ def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=N
                       f"instead of the {mesh_.size}-device plan", stacklevel=2)
         return _SingleDevice(model, loss_fn)
     device_mesh = init_distributed(mesh_.shape, mesh_.names)
+    # before anything a rank could do on its own (compile, trace): ranks holding different models would part ways
+    rankcheck.same_state(model, torch.device(device_mesh.device_type, torch.cuda.current_device())
+                         if device_mesh.device_type == "cuda" else torch.device("cpu"))
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
@@ -56,10 +60,12 @@ def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=N
         from autopar.pipeline_runtime import PipelinedModule, init_pipeline_mesh
         if local_inputs:
             raise AutoparError("local_inputs=True is not supported with a pipelined plan: pass the global batch")
-        return PipelinedModule(model, plan, loss_fn=loss_fn, device_mesh=init_pipeline_mesh(plan.mesh))
+        return PipelinedModule(model, plan, loss_fn=loss_fn, device_mesh=init_pipeline_mesh(plan.mesh),
+                               check_ranks=False)
     graph = capture(model, example_inputs, loss_fn)
     program = load_program(program_source(build_program(graph, plan, local_inputs), plan))
-    return ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh, local_inputs=local_inputs)
+    return ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh, local_inputs=local_inputs,
+                          check_ranks=False)
 
 
 class _SingleDevice(nn.Module):

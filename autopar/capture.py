@@ -20,8 +20,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InputError
 from autopar.passes.rules import OpInfo, TensorArg, TensorMeta
+from autopar.tracebacks import user_frames
 
 
 class NodeKind(str, Enum):
@@ -181,6 +182,7 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
             f"with loss_fn, example_inputs must end with the target: got {len(example_inputs)} input(s), "
             "expected (input, ..., target)"
         )
+    _check_inputs(example_inputs, loss_fn is not None)
     wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _NoLoss(model)
     state = _ModuleState(model)
     try:
@@ -188,6 +190,8 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
             warnings.simplefilter("always")
             ep = torch.export.export(wrapper, example_inputs, strict=False)
     except Exception as e:  # torch raises many types; keep the cause
+        if _data_dependent(e):
+            raise AutoparError(_branch_advice(e)) from e
         raise AutoparError(f"could not trace the model with torch.export: {type(e).__name__}: {e}") from e
     finally:
         assigned = state.restore()
@@ -238,6 +242,35 @@ class _ModuleState:
             m._non_persistent_buffers_set.clear()
             m._non_persistent_buffers_set.update(non_persistent)
         return sorted(set(assigned))
+
+
+def _check_inputs(example_inputs: tuple, has_loss: bool) -> None:
+    """Every example input is a tensor: the plan places and shards each one."""
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            what = "the target" if has_loss and i == len(example_inputs) - 1 else f"example input {i}"
+            raise InputError(
+                f"{what} is {x!r:.60} of type {type(x).__name__}, not a tensor; autopar traces and shards tensor "
+                "inputs only: pass it as a tensor (e.g. torch.tensor(...)), or make it part of the model (a "
+                "constructor argument or an attribute set before compiling) and leave it out of example_inputs")
+
+
+def _data_dependent(e: Exception) -> bool:
+    return type(e).__name__ in ("GuardOnDataDependentSymNode", "DataDependentOutputException") \
+        or "data-dependent" in str(e).lower()
+
+
+def _branch_advice(e: Exception) -> str:
+    """A forward whose control flow depends on a tensor's value: where, and what to do."""
+    frame = user_frames(e)[-1]
+    where = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"the forward depends on a tensor's value at {where}: an `if` or `while` on a tensor, or .item() / "
+            "bool() of one. autopar traces one step for every batch, so the step's control flow cannot depend on "
+            "the data. Fix: move the branch out of the traced step (decide it outside the model and compile a "
+            "plan for each branch), or compute both sides and pick with torch.where(cond, a, b); torch.cond "
+            f"expresses such a branch for torch.export, but autopar does not plan its subgraphs yet. "
+            f"(torch.export: {type(e).__name__}: {cause})")
 
 
 def _tied(wrapper: nn.Module, graph: Graph) -> dict:

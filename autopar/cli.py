@@ -14,9 +14,13 @@ from autopar.errors import AutoparError
 
 def _compile(args) -> int:
     from autopar.compiler import compile as compile_plan
+    from autopar.outputs import check_dir, check_file, is_plan
     from autopar.runtime import load_factory
     from autopar.report import show
 
+    check_file(args.output, "compile -o", is_plan)  # before the solve, which may take minutes
+    if args.cache:
+        check_dir(args.cache, "--cache", force=True)
     model, inputs, loss_fn = load_factory(args.source)
     memory = _parse_bytes(args.memory) if args.memory else None
     plan = compile_plan(model, inputs, mesh=args.mesh, cluster=args.cluster, loss_fn=loss_fn, memory=memory,
@@ -25,7 +29,6 @@ def _compile(args) -> int:
                         solver=args.solver, source=args.source, deterministic=args.deterministic,
                         pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule,
                         cache=args.cache)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     plan.save(args.output)
     if args.coverage:
         if plan.fallbacks:
@@ -66,6 +69,7 @@ def _show(args) -> int:
 def _codegen(args) -> int:
     from autopar.capture import capture
     from autopar.codegen import write_program
+    from autopar.outputs import check_dir
     from autopar.plan import Plan
     from autopar.runtime import load_factory
 
@@ -73,6 +77,7 @@ def _codegen(args) -> int:
     source = plan.model.get("source")
     if not source:
         raise AutoparError(f"{args.plan} does not name its model (compile it with `autopar compile FILE.py:FACTORY`)")
+    check_dir(args.output, "codegen -o", force=args.force)
     model, inputs, loss_fn = load_factory(source)
     entry = write_program(plan, capture(model, inputs, loss_fn), args.output)
     programs = "stage_<chunk>.py" if plan.pipeline else "rank_program.py"
@@ -155,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("codegen", help="write the per-rank program for a plan")
     g.add_argument("plan")
-    g.add_argument("-o", "--output", required=True, help="output directory")
+    g.add_argument("-o", "--output", required=True, help="output directory (new or empty, unless --force)")
+    g.add_argument("--force", action="store_true",
+                   help="write into a non-empty output directory, replacing train.py, plan.json and the programs")
     g.set_defaults(fn=_codegen)
 
     v = sub.add_parser("verify", help="run a plan on local gloo ranks and compare with one device")

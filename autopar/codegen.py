@@ -19,6 +19,7 @@ import torch.fx as fx
 from autopar import spmd
 from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
+from autopar.outputs import write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
 from autopar.passes.strategy import Strategy, local_shape, parse_spec
 from autopar.plan import Plan
@@ -371,14 +372,11 @@ def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
         from autopar.runtime import load_factory
         model, _, loss_fn = load_factory(source)
         for chunk, text in stage_sources(model, plan, loss_fn).items():
-            with open(os.path.join(out_dir, f"stage_{chunk}.py"), "w") as f:
-                f.write(text)
+            write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
         template = PIPELINE_ENTRY
     else:
-        with open(os.path.join(out_dir, "rank_program.py"), "w") as f:
-            f.write(program_source(build_program(graph, plan), plan))
+        write_text(os.path.join(out_dir, "rank_program.py"), program_source(build_program(graph, plan), plan))
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
-    with open(entry, "w") as f:
-        f.write(template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
+    write_text(entry, template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
     return entry

@@ -63,6 +63,10 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     "auto"`` lets the planner factor the devices into pp x dp x tp and pipeline
     only where it pays. ``microbatches`` and ``schedule`` ("gpipe", "1f1b",
     "interleaved-1f1b") pin those choices."""
+    get_cluster(cluster).check_fits(parse_mesh(mesh))
+    if cache is not None:
+        from autopar.outputs import check_dir
+        check_dir(cache, "cache", force=True)  # before the solve, not when storing its result
     if pipeline_stages is not None or microbatches is not None or schedule is not None \
             or "pp" in parse_mesh(mesh).names:
         from autopar.pipeline import compile_pipelined

@@ -33,3 +33,19 @@ class InfeasibleError(AutoparError):
         self.needed_bytes = needed_bytes
         self.status = status
         """The solver's verdict: INFEASIBLE (proved), or what stopped it (TIME LIMIT)."""
+
+
+class RankMismatchError(AutoparError):
+    """Ranks that should hold the same tensors (initial state, a global batch) hold different ones."""
+
+
+class OutputError(AutoparError):
+    """An output path that cannot be written, or whose existing contents autopar will not overwrite."""
+
+
+class FactoryError(AutoparError):
+    """A model factory (FILE.py:FACTORY) that cannot be imported or raised when called."""
+
+
+class InputError(AutoparError):
+    """Example inputs autopar cannot trace (e.g. a value that is not a tensor)."""

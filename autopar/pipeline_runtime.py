@@ -53,7 +53,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar import spmd
+from autopar import rankcheck, spmd
 from autopar.capture import Graph, Node, NodeKind, capture
 from autopar.codegen import build_program, load_program, program_source
 from autopar.errors import AutoparError, LaunchError, PlanError
@@ -292,7 +292,7 @@ def stage_sources(model: nn.Module, plan: Plan, loss_fn=None) -> dict:
 class PipelinedModule(nn.Module):
     """The user's model, running a pipelined ``plan`` on this rank."""
 
-    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None):
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None, check_ranks: bool = True):
         super().__init__()
         if plan.pipeline is None:
             raise PlanError("this plan does not pipeline (its 'pipeline' section is null); run it with "
@@ -316,6 +316,9 @@ class PipelinedModule(nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
             else torch.device("cpu")
         self._device = device
+        if check_ranks:  # every rank holds the whole model before it is split
+            rankcheck.same_state(model, device)
+        self._inputs_checked = False
 
         # the microbatch graph, sliced as the plan says
         example = tuple(torch.zeros(i["microbatch_shape"], dtype=_dtype(i["dtype"])) for i in plan.inputs)
@@ -410,6 +413,9 @@ class PipelinedModule(nn.Module):
                 raise AutoparError(f"input {i} has shape {list(x.shape)}; the plan was compiled for {shape} "
                                    f"({self._m} microbatches of {shape[0] // self._m}); pass the full global batch")
         kwargs = {f"input_{i}": x.to(self._device) for i, x in enumerate(inputs)}
+        if not self._inputs_checked:  # every rank passes the global batch
+            rankcheck.same_inputs(list(kwargs.values()), self._device)
+            self._inputs_checked = True
         self._refresh()
         losses: list = []
         # The loss is computed inside the last stage's program; the schedule's

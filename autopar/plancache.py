@@ -7,9 +7,10 @@ The key is everything the plan depends on: the traced graph's fingerprint
 (ops, shapes, dtypes, module paths), the mesh, the whole cluster
 description, every compile option, and a hash of the planner's own source
 (autopar, its cost models and sharding rules), so a new version of autopar
-never reads an old entry. An entry is the plan's JSON, written atomically;
-``plan.solver["cache"]`` says "hit" or "miss". A corrupt entry is a miss and
-is overwritten, with a warning.
+never reads an old entry. An entry is a checksum line (``sha256 <hex>``)
+and the plan's JSON, written atomically; ``plan.solver["cache"]`` says "hit"
+or "miss". A corrupt entry, or one edited by hand (its checksum no longer
+matches), is a miss and is overwritten, with a warning.
 
 The same directory holds solved *layer classes* (``layers/``): the
 intra-stage ILP a pipeline search solves per stage submesh and microbatch
@@ -24,13 +25,13 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import autopar.cost_models
 import autopar.passes
+from autopar.errors import AutoparError, OutputError
+from autopar.outputs import write_text
 from autopar.plan import Plan
 from autopar.solver import Solution
 
@@ -84,20 +85,36 @@ def store_solution(directory: str, key: str, solution: Solution) -> None:
     _write(Path(directory).expanduser() / LAYERS, key, json.dumps(asdict(solution), sort_keys=True, default=str))
 
 
+CHECKSUM = "sha256 "
+"""An entry's first line: ``sha256 <hex digest of the rest>``."""
+
+
 def _read(path: Path, parse):
     if not path.exists():
         return None
     try:
-        return parse(path.read_text())
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("autopar: plan cache entry %s is unreadable (%s); solving again and replacing it", path, e)
+        return parse(_verified(path.read_text()))
+    except (ValueError, KeyError, TypeError, AutoparError) as e:
+        log.warning("autopar: plan cache entry %s is unreadable: %s; solving again and replacing it", path, e)
         return None
 
 
+def _verified(text: str) -> str:
+    """The entry's body, if its checksum matches (an entry edited by hand, or
+    cut short, does not)."""
+    first, _, body = text.partition("\n")
+    if not first.startswith(CHECKSUM):
+        raise ValueError("it has no checksum line")
+    if hashlib.sha256(body.encode()).hexdigest() != first[len(CHECKSUM):]:
+        raise ValueError("its sha256 checksum does not match its contents (edited or truncated)")
+    return body
+
+
 def _write(folder: Path, key: str, text: str) -> None:
-    """Atomically: a reader sees the old entry or the new one, never half."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, folder / f"{key}.json")
+    """Atomically: a reader sees the old entry or the new one, never half. A
+    cache that cannot be written (a full disk) is warned about; the plan
+    solved is still returned."""
+    try:
+        write_text(str(folder / f"{key}.json"), f"{CHECKSUM}{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
+    except OutputError as e:
+        log.warning("autopar: the plan cache did not store this plan: %s", e)

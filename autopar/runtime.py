@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from autopar import spmd
-from autopar.errors import AutoparError, LaunchError
+from autopar import errors, rankcheck, spmd
+from autopar.errors import AutoparError, FactoryError, LaunchError
 from autopar.passes.strategy import parse_spec
 from autopar.plan import Plan
+from autopar.tracebacks import format_frames, user_frames
 
 
 def in_torchrun() -> bool:
@@ -66,12 +67,40 @@ def init_distributed(mesh_shape, axis_names):
 def agreed_plan(make_plan) -> Plan:
     """Rank 0 plans and every rank runs that plan: ranks planning on their own
     could break a cost tie differently (or stop at a time limit at different
-    points) and then disagree about the collectives to run."""
+    points) and then disagree about the collectives to run. A compile that
+    raises on rank 0 raises the same error on every rank: none is left
+    waiting in the broadcast for a plan that never comes."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return make_plan()
-    obj = [make_plan().to_json() if dist.get_rank() == 0 else None]
+    failure = None
+    obj = [None]
+    if dist.get_rank() == 0:
+        try:
+            obj[0] = make_plan().to_json()
+        except Exception as e:  # every rank raises it, none waits in the broadcast for a plan
+            failure = e
+            obj[0] = {"error": _error_payload(e)}
     dist.broadcast_object_list(obj, src=0)
+    if failure is not None:
+        raise failure
+    if "error" in obj[0]:
+        raise _remote_error(obj[0]["error"])
     return Plan.from_json(obj[0])
+
+
+def _error_payload(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "message": str(e), "autopar": isinstance(e, AutoparError),
+            "needed_bytes": getattr(e, "needed_bytes", None), "status": getattr(e, "status", None)}
+
+
+def _remote_error(payload: dict) -> Exception:
+    """Rank 0's compile error, raised on this rank as the same autopar type."""
+    cls = getattr(errors, payload["type"], None)
+    if payload["autopar"] and isinstance(cls, type) and issubclass(cls, AutoparError):
+        if cls is errors.InfeasibleError:
+            return cls(payload["message"], needed_bytes=payload["needed_bytes"], status=payload["status"])
+        return cls(payload["message"])
+    return AutoparError(f"compiling the plan on rank 0 raised {payload['type']}: {payload['message']}")
 
 
 def shutdown(exit_code: int | None = None) -> None:
@@ -118,8 +147,10 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
                  device_mesh=None, local_inputs: bool = False, sharded: bool = False,
-                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES):
+                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES, check_ranks: bool = True):
         """``sharded=True``: the model's parameters already are this rank's shards.
+        ``check_ranks=False``: the caller has checked that every rank holds
+        rank 0's model (``rankcheck.same_state``; done here otherwise).
         ``bucket_bytes``: the size of the buckets replicated parameters'
         gradients are all-reduced in during backward (``spmd.GradSync``;
         DDP's default); None: one blocking all-reduce per parameter."""
@@ -132,6 +163,9 @@ class ParallelModule(nn.Module):
             else torch.device("cpu")
         self._program = program
         self._local_inputs = local_inputs
+        self._inputs_checked = local_inputs  # a global batch is checked to be one batch at the first forward
+        if check_ranks and not sharded:
+            rankcheck.same_state(model, device)
         self._placements = {}
         nd = plan.mesh.ndim
         names = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
@@ -202,6 +236,9 @@ class ParallelModule(nn.Module):
         device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
             torch.device("cuda", torch.cuda.current_device())
         inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+        if not self._inputs_checked:
+            rankcheck.same_inputs(inputs, device)
+            self._inputs_checked = True
         with spmd.use_mesh(self.mesh), spmd.random_step(), spmd.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
@@ -262,15 +299,32 @@ def load_factory(spec: str):
         loader_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[mod_name] = module
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise FactoryError(_factory_failure(f"importing model file {path}", e, folder)) from None
     if not hasattr(module, name):
         raise AutoparError(f"{path} has no factory {name!r}")
-    out = getattr(module, name)()
+    try:
+        out = getattr(module, name)()
+    except Exception as e:
+        raise FactoryError(_factory_failure(f"factory {spec}", e, folder)) from None
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise AutoparError(f"factory {spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)")
     model, inputs = out[0], out[1]
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     return model, inputs, out[2] if len(out) == 3 else None
+
+
+def _factory_failure(what: str, e: Exception, folder: str) -> str:
+    """What failed, the error, and the user's own frames (those under the model
+    file's folder, not autopar's or torch's), as a traceback shows them."""
+    if isinstance(e, SyntaxError):
+        where = f"  File \"{e.filename}\", line {e.lineno}\n    {(e.text or '').strip()}\n"
+        return f"{what} failed: SyntaxError: {e.msg}\n{where}fix the syntax error and run again"
+    return (f"{what} raised {type(e).__name__}: {e}\nin your code (most recent call last):\n"
+            f"{format_frames(user_frames(e, folder))}fix the error in your code above and run again")
 
 
 def single_device_reference(source: str, steps: int, lr: float):

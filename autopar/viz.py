@@ -29,6 +29,7 @@ import os
 import sys
 
 from autopar.errors import AutoparError
+from autopar.outputs import check_file, write_text
 from autopar.plan import Plan
 
 
@@ -67,10 +68,13 @@ def render_html(plans: list[Plan], path: str, *, labels: list[str] | None = None
         f"{p.model.get('source') or 'model'} on {'x'.join(map(str, p.mesh.shape))}" for p in plans)
     page = (_asset("page.html").replace("@TITLE@", html.escape(title)).replace("@CSS@", _asset("style.css"))
             .replace("@DATA@", blob).replace("@JS@", _asset("app.js")))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
+    write_text(path, page)
     return path
+
+
+def is_page(text: str) -> bool:
+    """Whether ``text`` (an existing file) is a page this visualizer wrote."""
+    return text.startswith("<!DOCTYPE html>") and '<header id="page-header">' in text and '<main id="app">' in text
 
 
 def _asset(name: str) -> str:
@@ -89,6 +93,7 @@ def viz_main(argv=None) -> int:
     try:
         if len(args.plans) > 2:
             raise AutoparError(f"give one plan, or two to compare; got {len(args.plans)}")
+        check_file(args.output, "viz -o", is_page, "a page autopar viz wrote")
         plans = [Plan.load(p) for p in args.plans]
         labels = [os.path.basename(p) for p in args.plans]
         if len(set(labels)) < len(labels):

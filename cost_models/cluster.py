@@ -240,6 +240,17 @@ class Cluster:
             if not isinstance(getattr(self, name), str):
                 raise ClusterError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
 
+    def check_fits(self, mesh) -> None:
+        """Raise unless ``mesh`` has at most as many devices as the cluster
+        (a cluster of ``nodes: null`` has as many nodes as a mesh needs)."""
+        if self.nodes is None or mesh.size <= self.nodes * self.devices_per_node:
+            return
+        total = self.nodes * self.devices_per_node
+        raise ClusterError(
+            f"mesh {mesh} needs {mesh.size:,} devices, but cluster {self.name!r} has {total:,} "
+            f"({self.nodes} node(s) x {self.devices_per_node} devices per node): use a mesh of at most {total:,} "
+            "devices, or a cluster description with more nodes (\"nodes\": null for as many as the mesh needs)")
+
     def to_json(self) -> dict:
         out = asdict(self)
         if out["calibration"] is None:

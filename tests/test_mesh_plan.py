@@ -134,7 +134,7 @@ def test_plan_recompute_regions_must_name_ops_of_the_model(plan):
 
 
 @pytest.mark.parametrize("edit, node", [
-    ("output_spec", "p_model_layers_0_weight"),  # a parameter sharded on a dim it does not have
+    ("output_spec", "p_model_layers_0_weight"),  # a parameter held as a partial sum
     ("input_specs", "linear"),                   # a linear whose inputs no rule pairs with its output
 ])
 def test_plan_strategy_its_rule_does_not_allow_is_refused_at_codegen(plan, edit, node):
@@ -147,8 +147,9 @@ def test_plan_strategy_its_rule_does_not_allow_is_refused_at_codegen(plan, edit,
     model, inputs, loss = make(batch=8, hidden=64)
     obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     entry = next(n for n in obj["nodes"] if n["name"] == node)
-    if edit == "output_spec":
-        entry["output_spec"] = "S(5)"
+    if edit == "output_spec":  # and its parameter entry alike (they must agree, else refused on load)
+        entry["output_spec"] = "P"
+        obj["parameters"]["layers.0.weight"]["placements"] = ["P"]
     else:
         entry["input_specs"] = ["S(1)", "S(1)", "S(0)"]
         entry["output_spec"] = "S(0)"
