@@ -19,7 +19,7 @@ import torch.fx as fx
 from autopar import spmd
 from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
-from autopar.outputs import write_text
+from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
 from autopar.passes.strategy import Strategy, local_shape, parse_spec
 from autopar.plan import Plan
@@ -371,7 +371,8 @@ def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
         from autopar.pipeline_runtime import stage_sources
         from autopar.runtime import load_factory
         model, _, loss_fn = load_factory(source)
-        for chunk, text in stage_sources(model, plan, loss_fn).items():
+        stages = stage_sources(model, plan, loss_fn)
+        for chunk, text in stages.items():
             write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
         template = PIPELINE_ENTRY
     else:
@@ -379,4 +380,6 @@ def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
     write_text(entry, template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
+    programs = [f"stage_{chunk}.py" for chunk in stages] if plan.pipeline else ["rank_program.py"]
+    record_written(out_dir, [*programs, "plan.json", "train.py"])
     return entry

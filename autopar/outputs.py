@@ -9,6 +9,7 @@ the new one, never half of either.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -30,14 +31,44 @@ def check_file(path: str, what: str, is_ours, ours: str = "an autopar plan (no \
                           "another file, or move that one away first")
 
 
+MANIFEST = ".autopar-written"
+"""The files autopar wrote into an output directory: a sha256 and a name per line."""
+
+
+def record_written(path: str, names) -> None:
+    """Note in ``path``'s manifest that autopar wrote ``names`` there, as they are now."""
+    lines = [f"{_sha256(os.path.join(path, n))}  {n}\n" for n in sorted(set(names))]
+    write_text(os.path.join(path, MANIFEST), "".join(lines))
+
+
+def _written_here(path: str) -> set:
+    """The files in ``path`` that autopar wrote and nobody changed since (its
+    manifest), with the manifest itself and Python's ``__pycache__``."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            entries = [line.rstrip("\n").split("  ", 1) for line in f if "  " in line]
+    except OSError:
+        return set()
+    return {name for digest, name in entries if _sha256(os.path.join(path, name)) == digest} | {
+        MANIFEST, "__pycache__"}
+
+
+def _sha256(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return ""
+
+
 def check_dir(path: str, what: str, force: bool = False) -> None:
-    """``path`` can be written as a directory: not a file, writable, and empty
-    unless ``force``."""
+    """``path`` can be written as a directory: not a file, writable, and
+    holding nothing autopar did not write there unless ``force``."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise OutputError(f"{what} {path!r} is a file, not a directory; name a directory")
     if os.path.isdir(path):
         _check_folder(path, what, path)
-        entries = sorted(os.listdir(path))
+        entries = sorted(set(os.listdir(path)) - _written_here(path))
         if entries and not force:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise OutputError(f"{what} {path!r} is not empty ({shown}); autopar will not write into it: name a "

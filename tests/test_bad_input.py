@@ -206,7 +206,20 @@ def test_codegen_refuses_a_non_empty_directory_without_force(tmp_path, capsys, p
     rc, stdout, _ = run_cli(capsys, "codegen", plan_file, "-o", str(out), "--force")
     assert rc == 0 and "wrote" in stdout
     assert "autopar plan in plan.json" in (out / "train.py").read_text()
-    assert sorted(os.listdir(out)) == ["plan.json", "rank_program.py", "train.py"]
+    assert sorted(os.listdir(out)) == [".autopar-written", "plan.json", "rank_program.py", "train.py"]
+
+
+def test_codegen_replaces_its_own_output_but_not_a_file_edited_since(tmp_path, capsys, plan_file):
+    """Running the README's quick start twice writes into the same directory:
+    files codegen wrote (its manifest: a sha256 per file) are replaced; one
+    the user edited since is not."""
+    out = tmp_path / "proj"
+    for _ in range(2):
+        rc, stdout, _ = run_cli(capsys, "codegen", plan_file, "-o", str(out))
+        assert rc == 0 and "wrote" in stdout
+    (out / "train.py").write_text((out / "train.py").read_text() + "# my change\n")
+    rc, _, err = run_cli(capsys, "codegen", plan_file, "-o", str(out))
+    assert rc == 2 and f"is not empty (train.py)" in err and "# my change" in (out / "train.py").read_text()
 
 
 def test_codegen_refuses_a_file_as_its_directory(tmp_path, capsys, plan_file):
