@@ -67,11 +67,11 @@ def hf_vit(batch: int = 8):
 
 
 def hf_beit(batch: int = 8):
-    """Relative position biases, layer scale."""
+    """Relative position biases, layer scale (stochastic depth off: its draws cannot match one device)."""
     h = _hf()
     import transformers as t
     return h._image_classifier(t.BeitConfig, t.BeitForImageClassification, batch, "eager", image_size=32,
-                               patch_size=8, use_relative_position_bias=True,
+                               patch_size=8, use_relative_position_bias=True, drop_path_rate=0.0,
                                **{k: v for k, v in h.ENCODER.items() if k != "max_position_embeddings"})
 
 
