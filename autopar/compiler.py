@@ -12,7 +12,7 @@ import time
 import warnings
 
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import Graph, NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
@@ -78,6 +78,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source,
             cache=cache)
     phases = _Phases()
+    deadline = phases.start + time_limit_s  # the whole compile's, capture included
     with phases("capture"):
         mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -108,19 +109,34 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     with phases("solve"):
         ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
         budget = memory if memory is not None else cluster.device.memory
-        solution, rc = _solve_with_recompute(
-            graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
-            time_limit_s=time_limit_s, relative_gap=relative_gap, backend=solver, pinned=pinned, notes=notes)
+        try:
+            solution, rc = _solve_with_recompute(
+                graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
+                deadline=deadline, relative_gap=relative_gap, backend=solver, pinned=pinned, notes=notes)
+        except InfeasibleError as e:
+            if e.status != "TIME LIMIT":
+                raise
+            out_of_time, rc = e, NONE
+            solution = _replicated(graph, strategies, pinned, time.perf_counter() - phases.start)
+        else:
+            out_of_time = None
     with phases("plan"):
         chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
         plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, rc)
+        if out_of_time is not None:
+            if plan.predicted["peak_memory_bytes"] > budget:
+                raise out_of_time
+            plan.solver["objective"] = plan.predicted["step_time_s"]
     plan.fallbacks = [f.to_json() for f in fallbacks]
     plan.warnings = notes + [f.describe() for f in fallbacks]
     plan.recompute = {"mode": rc.mode, "layers": rc.paths,
                       **({"regions": [list(r) for r in rc.regions]} if rc.mode == "selective" else {}),
                       "candidates": solution.extra.pop("recompute_candidates")}
     plan.solver.update(opt_level=opt_level, clustered=bool(cluster_layers), relative_gap=relative_gap,
-                       memory_budget_bytes=budget)
+                       memory_budget_bytes=budget, time_limit_s=time_limit_s,
+                       stopped_early=solution.status != "OPTIMAL")
+    if solution.status != "OPTIMAL":
+        plan.warnings.append(_stopped_early(solution, time_limit_s))
     plan.predicted["optimizer"] = optimizer
     if deterministic:
         plan.solver["wall_s"] = None
@@ -142,6 +158,11 @@ the GPT models of tests/test_planner.py): 1-10x the clustered solve without a
 binding memory budget (GPT-3 175B on 1024 GPUs: 6.6 s clustered, 20 s
 peeled); under a binding one, HiGHS may need 50x, and the clustered plan
 stands."""
+
+PEEL_BUILD_FACTOR = 3.0
+"""A peeled model is built in at most this many times the last one's build
+time (its nodes are at most a few times as many): a refinement starts only
+with that and PEEL_MIN_S left before the compile's deadline."""
 
 O2_MAX_UNCLUSTERED_NODES = 3000
 """-O2 solves every node separately up to this graph size (a few seconds of HiGHS
@@ -168,15 +189,46 @@ class _Phases:
 RECOMPUTE = ("auto", *MODES)
 
 
+def _replicated(graph: Graph, strategies: dict, pinned: dict, wall_s: float):
+    """The plan when the solver has none by the time limit: every node
+    replicated where it can be (pinned parameters as pinned), as on one
+    device; the compile says so and prices it."""
+    from autopar.solver import Solution
+    choice = {}
+    for name, options in strategies.items():
+        flat = [i for i, s in enumerate(options) if not s.regather and all(
+            isinstance(p, Replicate) for spec in (*s.inputs, s.output) for p in spec)]
+        choice[name] = pinned.get(name, flat[0] if flat else 0)
+    return Solution(choice, "TIME LIMIT", math.nan, wall_s, 0, 0, 0.0,
+                    {"gap": None, "recompute_candidates": [], "fallback": "replicated: no plan from the solver"})
+
+
+def _stopped_early(solution, time_limit_s: float) -> str:
+    """The warning for a plan the solver did not prove optimal in the time it had."""
+    if solution.status == "TIME LIMIT":
+        msg = (f"the solver found no plan within the compile's time limit of {time_limit_s:g} s: the plan "
+               "runs every op replicated, as on one device; a longer time_limit_s (autopar compile "
+               "--time-limit) lets the solver parallelize it")
+        warnings.warn("autopar: " + msg, stacklevel=3)
+        return msg
+    msg = (f"the solver stopped at the compile's time limit of {time_limit_s:g} s (status {solution.status}): "
+           f"the plan is the best found, within {solution.extra['gap']:.2%} of the best bound, not proven "
+           "optimal; a longer time_limit_s (autopar compile --time-limit) may find a faster one")
+    warnings.warn("autopar: " + msg, stacklevel=3)
+    return msg
+
+
 def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes, partial: bool = False,
-                          notes: list, **options) -> tuple:
+                          notes: list, deadline: float, **options) -> tuple:
     """Solve once per recomputation option and keep the fastest plan that fits.
 
     Options (passes/recompute.py): none; selective (in every numbered layer,
     the pieces between parameter uses that free memory more cheaply than the
     whole layer would, Korthikanti et al. 2022); full recomputation of every
     layer (Chen et al. 2016); with ``partial`` also full recomputation of the
-    first half of each layer list. Returns the solution and its Recomputation.
+    first half of each layer list. Every solve ends by ``deadline`` (time.
+    perf_counter()), the compile's time limit. Returns the solution and its
+    Recomputation.
     Under "auto", an option the model's layers cannot take is left out with a
     warning, appended to ``notes``."""
     if mode not in RECOMPUTE:
@@ -214,7 +266,6 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
         relative gap and time is left. A peeled solve that finds nothing in
         its time leaves the best plan so far."""
         ends, best, solves, cap = classes.first, None, 0, math.inf
-        deadline = time.perf_counter() + options["time_limit_s"]
         while True:
             left = min(deadline - time.perf_counter(), cap)
             try:
@@ -233,7 +284,9 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
                 best = (sol, ends)
             deeper = deeper_ends(classes.layers, ends, sol.choice)
             tolerance = options["relative_gap"] * sol.objective_s
-            if deeper == ends or gain <= tolerance or deadline - time.perf_counter() < PEEL_MIN_S \
+            # a peeled model takes longer to build than the last: what is left must cover that too
+            needed = PEEL_MIN_S + PEEL_BUILD_FACTOR * sol.build_s
+            if deeper == ends or gain <= tolerance or deadline - time.perf_counter() < needed \
                     or (solves == 1 and sol.extra["window_exposed_s"] <= tolerance):
                 break
             log.info("layer classes: solve %d gave %.4f ms in %.1f s; peeling the ends to %s", solves,
