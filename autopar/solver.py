@@ -652,7 +652,7 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
                                for s in strategies[node.name])
     need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
-    from autopar.report import fmt_bytes
+    from autopar.units import fmt_bytes
     parts = ", ".join(f"{graph.nodes[n].fqn or n} {fmt_bytes(b)}" for n, b in top)
     return InfeasibleError(
         f"no plan fits in {fmt_bytes(budget)} per device: the smallest plan needs at least "

@@ -153,7 +153,7 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     data-parallelises the later layers and not the first. Forcing every layer
     to share one strategy (the clustering before the ends were peeled) is 6%
     off the unclustered optimum on this model; peeling is within 1%."""
-    import autopar.compiler
+    import autopar.planner
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
     compile_ = lambda **kw: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, **kw)  # noqa: E731
     exact = compile_(cluster_layers=False).solver["objective"]
@@ -168,7 +168,7 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     show(peeled, console=console)
     assert "layer class blocks.0 .. blocks.3 (4 layers): solved layer by layer, the gradient sync window bound " \
            f"({blocks['solves']} solves)" in console.export_text()
-    monkeypatch.setattr(autopar.compiler, "deeper_ends", lambda layers, ends, choice: ends)
+    monkeypatch.setattr(autopar.planner, "deeper_ends", lambda layers, ends, choice: ends)
     shared = compile_()
     assert shared.solver["layer_classes"][0]["shared"] == 4
     assert shared.solver["objective"] > exact * 1.01
@@ -299,7 +299,7 @@ def test_tied_weights_get_one_placement():
 def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeypatch, caplog):
     import copy
 
-    import autopar.compiler
+    import autopar.planner
     from mlp import make
     model, inputs, loss = make(batch=8, hidden=256, d_in=64, d_out=64)
     cache = str(tmp_path / "plans")
@@ -309,7 +309,7 @@ def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeyp
     def no_solve(*args, **kwargs):
         raise AssertionError("a cached plan was solved again")
 
-    monkeypatch.setattr(autopar.compiler, "_solve_with_recompute", no_solve)
+    monkeypatch.setattr(autopar.planner, "_solve_with_recompute", no_solve)
     again = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
     assert again.solver.pop("cache") == "hit" and first.solver.pop("cache") == "miss"
     assert again.dumps() == first.dumps()
