@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import AutoparError, InputError
-from autopar.passes.rules import OpInfo, TensorArg, TensorMeta
+from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, op_label
 from autopar.tracebacks import user_frames
 
 
@@ -60,13 +60,6 @@ class Node:
     @property
     def out(self) -> TensorMeta:
         return self.outputs[0]
-
-
-def op_label(target) -> str:
-    """How plans name an op: "linear", "transpose.int", "getitem"."""
-    if target is operator.getitem:
-        return "getitem"
-    return str(target).replace("aten.", "").replace(".default", "")
 
 
 _PLACEMENT_KWARGS = ("device", "pin_memory", "layout")

@@ -79,7 +79,11 @@ def _codegen(args) -> int:
         raise AutoparError(f"{args.plan} does not name its model (compile it with `autopar compile FILE.py:FACTORY`)")
     check_dir(args.output, "codegen -o", force=args.force)
     model, inputs, loss_fn = load_factory(source)
-    entry = write_program(plan, capture(model, inputs, loss_fn), args.output)
+    stages = None
+    if plan.pipeline:
+        from autopar.pipeline_runtime import stage_sources
+        stages = stage_sources(model, plan, loss_fn)
+    entry = write_program(plan, capture(model, inputs, loss_fn), args.output, stages)
     programs = "stage_<chunk>.py" if plan.pipeline else "rank_program.py"
     print(f"wrote {entry}, {os.path.join(args.output, programs)} and plan.json")
     print(f"run it with: torchrun --nproc-per-node {plan.mesh.size} {entry} --check")
@@ -135,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(an attention core), full = whole layers, auto = the fastest that fits")
     c.add_argument("-O", dest="opt_level", type=int, default=1, choices=[1, 2],
                    help="-O1: cluster repeated layers (seconds); -O2: wider search")
-    c.add_argument("--pp", help="pipeline stages (a number), or 'auto' to let the planner decide")
+    c.add_argument("--pp", help="pipeline stages (a number), or 'auto' to let the planner decide; default: auto "
+                                "where the mesh spans more than one node of the cluster; 1 never pipelines")
     c.add_argument("--microbatches", type=int,
                    help="microbatches per step: a pipeline's, or, without one, gradient accumulation "
                         "(default: chosen by the planner for a pipeline, 1 without)")

@@ -358,8 +358,10 @@ PIPELINE_ENTRY = ENTRY.replace(
     "The model comes from", "Pipelined: each stage's program is in stage_<chunk>.py. The model comes from")
 
 
-def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
-    """Write rank_program.py, plan.json and train.py into ``out_dir``; return train.py's path."""
+def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None) -> str:
+    """Write rank_program.py (or, for a pipelined plan, ``stages``: chunk ->
+    its stage program, autopar.pipeline_runtime.stage_sources), plan.json and
+    train.py into ``out_dir``; return train.py's path."""
     source = plan.model.get("source")
     if not source:
         raise PlanError("the plan does not name its model source (FILE.py:FACTORY); compile it with the CLI "
@@ -368,10 +370,9 @@ def write_program(plan: Plan, graph: Graph, out_dir: str) -> str:
     path, factory = source.rsplit(":", 1)
     template = ENTRY
     if plan.pipeline:
-        from autopar.pipeline_runtime import stage_sources
-        from autopar.runtime import load_factory
-        model, _, loss_fn = load_factory(source)
-        stages = stage_sources(model, plan, loss_fn)
+        if stages is None:
+            raise PlanError("a pipelined plan's program is its stages: pass stages= "
+                            "(autopar.pipeline_runtime.stage_sources)")
         for chunk, text in stages.items():
             write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
         template = PIPELINE_ENTRY

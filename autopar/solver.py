@@ -34,6 +34,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.errors import InfeasibleError
 from autopar.passes.recompute import NONE, Recomputation
+from autopar.passes.strategy import shard_factor
 from autopar.cost_models.resharding import reads_in_place
 from autopar.timeline import SyncWindow, Timeline, add as _add, first_consumers
 
@@ -65,6 +66,8 @@ class Solution:
     constraints: int
     memory_bytes: float
     extra: dict = field(default_factory=dict)
+    build_s: float = 0.0
+    """Of ``wall_s``, the seconds building the model (a wall time: not in the plan)."""
 
 
 def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: float | None = None,
@@ -87,31 +90,38 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     ilp.working_sets()
     ilp.reshard_edges()
     pruned = ilp.prune_dominated(memory_budget, pinned)
-    rows = ilp.budget_rows(memory_budget) if memory_budget is not None else []
-    result, status, params = ilp.solve(time_limit_s, relative_gap)
+    # where no plan can exceed the budget (``most``), its rows cannot bind: left out
+    bounded = memory_budget is not None and ilp.most > memory_budget
+    rows = ilp.budget_rows(memory_budget) if bounded else []
+    built = time.perf_counter() - t0
+    left = lambda: time_limit_s - (time.perf_counter() - t0)  # noqa: E731  the limit covers building too
+    result, status, params = ilp.solve(left(), relative_gap)
     if result is not None and ilp.overlap:
-        result = ilp.price_exposed_sync(result, params, time_limit_s - (time.perf_counter() - t0), relative_gap)
+        result = ilp.price_exposed_sync(result, params, left(), relative_gap)
     wall = time.perf_counter() - t0
     if result is None:
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
-            need = ilp.least_memory(rows, params)
+            need = ilp.least_memory(rows, params, left())
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
         name = _NAMES.get(status, str(status))
         if status != pywraplp.Solver.INFEASIBLE and wall >= 0.9 * time_limit_s:
             raise InfeasibleError(
-                f"the ILP found no plan within its {time_limit_s:.3g} s time limit (solver status {name}, "
+                f"the ILP found no plan within the {max(time_limit_s, 0.0):.3g} s left of the compile's time "
+                f"limit (solver status {name}, "
                 f"stopped after {wall:.1f} s without a plan or a proof that none exists); raise it with "
                 "time_limit_s= (autopar compile --time-limit)", status="TIME LIMIT")
         raise InfeasibleError(f"the ILP found no plan: solver status {name}", status=name)
     chosen, used, value, bound, status_name = result
     choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
     model = ilp.model
+    if ilp.followed:
+        pruned["dominated reshards into followers (y variables)"] = ilp.followed
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "memory_never_binds": memory_budget is None or ilp.most <= memory_budget, "pruned": pruned,
                      "backend": backend, "window_exposed_s": ilp.first_exposed_s,
                      "solved_nodes": len(ilp.count),
-                     "clustered_nodes": len(graph.nodes) - len(ilp.count)})
+                     "clustered_nodes": len(graph.nodes) - len(ilp.count)}, build_s=built)
 
 
 _OK = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
@@ -128,6 +138,10 @@ class _ILP:
     every byte any choice keeps (an upper bound, to tell when memory cannot
     bind). Activations and working sets go on ``timeline`` (autopar/
     timeline.py), gradient syncs and backward compute on ``window``."""
+
+    follow_edges = True
+    """Leave out the dominated pairs on edges into followers (``_follower``);
+    False builds the full model (tests compare the two optima)."""
 
     def __init__(self, graph: Graph, strategies: dict, ctx: CostContext, classes: dict | None,
                  recomputed: Recomputation, backend: str):
@@ -159,6 +173,7 @@ class _ILP:
         self.grad_bound: Counter = Counter()  # op -> the most those can be
         self.most = math.inf
         self.first_exposed_s = 0.0  # the sync left exposed by the optimum with gradient sync free
+        self.followed = 0  # the y variables _follower left out
 
     def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
         """x[n][s]: one binary per strategy of each representative, exactly one
@@ -309,9 +324,13 @@ class _ILP:
         saved = dst in self.grad and saves_input(graph.nodes[dst])
         hides = self.overlap and graph.nodes[src].kind is NodeKind.PARAM
         plain = times - replayed
+        follows = self._follower(src, dst, idx) if len(out_groups) > 1 and len(in_groups) > 1 else None
         for p in out_groups:
             spec, regather = p
             for key, members in in_groups.items():
+                if follows and not follows(p, key):
+                    self.followed += 1
+                    continue
                 f, b = edge_moves(spec, members[0][1], idx, meta, ctx, backward)
                 again = replayed + (plain if replays(regather, False, dst in self.grad) else 0)
                 unit[p, key] = (seconds(f) + (0.0 if hides else seconds(b))) * US
@@ -372,15 +391,65 @@ class _ILP:
         for p, members in out_groups.items():
             row = model.Constraint(0, 0)
             for k in in_groups:
-                row.SetCoefficient(y[p, k], 1)
+                if (p, k) in y:
+                    row.SetCoefficient(y[p, k], 1)
             for i in members:
                 row.SetCoefficient(x[src][i], -1)
         for key, members in in_groups.items():
             row = model.Constraint(0, 0)
             for p in out_groups:
-                row.SetCoefficient(y[p, key], 1)
+                if (p, key) in y:
+                    row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
+
+    def _follower(self, src: str, dst: str, idx: int):
+        """For an edge into a follower, the test a (producer spec, consumer
+        key) pair must pass to get a y variable; None where every pair does.
+
+        A follower (Alpa's term: an op that follows its operand) is a
+        one-output op that moves the bytes of one input to its output
+        unchanged in number and dtype (element-wise unary ops, views,
+        transposes) and whose other inputs have no choice. Resharding its
+        input from a spec it can run on, before it runs, costs the collective
+        that the same reshard of its output after it costs (same bytes, same
+        dims moved), and where it leaves the follower a local tensor no
+        smaller, no less compute or memory: such a pair is dominated and left
+        out (``follow_edges``). Kept: the pairs that move nothing (same spec;
+        R -> S slices), those that shrink the follower's input (a Partial
+        reduce-scattered before a view runs it on shards), and every pair
+        from a spec the follower cannot run on (a Partial into a GELU).
+        Producers that are parameters or inputs keep every pair: their
+        reshards are gathers and gradient syncs priced apart (ZeRO stages,
+        the sync window). tests/test_solver_reductions.py checks the optimum
+        is kept, model by model."""
+        if not self.follow_edges:
+            return None
+        graph = self.graph
+        node, producer = graph.nodes[dst], graph.nodes[src]
+        if node.kind is not NodeKind.OP or producer.kind is not NodeKind.OP or not shares_reshard(node) \
+                or len(node.outputs) != 1:
+            return None
+        if any(len(self.strategies[self.rep[other]]) > 1 for j, other in enumerate(node.inputs) if j != idx):
+            return None
+        meta = produced(graph, src, node, self.strategies[src][0])[1]
+        if node.out.nbytes != meta.nbytes or node.out.dtype != meta.dtype:
+            return None
+        ms = self.ctx.mesh_shape
+        n_axes, backward = len(ms), dst in self.grad and src in self.grad
+        runs_on = {reshard_key(idx, s, n_axes, backward)[0] for s in self.strategies[self.rep[dst]]}
+        first = {}
+        for s in self.strategies[self.rep[dst]]:
+            first.setdefault(reshard_key(idx, s, n_axes, backward), s)
+
+        def follows(p, key) -> bool:
+            spec = p[0]
+            if key[0] == spec or spec not in runs_on or shard_factor(key[0], ms) > shard_factor(spec, ms):
+                return True
+            f, b = edge_moves(spec, first[key], idx, meta, self.ctx, backward)
+            return not f and not b
+
+        return follows
 
     def prune_dominated(self, budget: float | None, pinned: dict | None) -> dict:
         """Fix off dominated choices before solving: where memory cannot bind,
@@ -415,7 +484,7 @@ class _ILP:
         for v, c in self.objective.items():
             obj.SetCoefficient(v, c)
         obj.SetMinimization()
-        model.SetTimeLimit(int(time_limit_s * 1000))
+        _time_limit(model, time_limit_s)
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
         with _quiet_stdout():
@@ -468,7 +537,7 @@ class _ILP:
             row.SetCoefficient(exposed, 1.0)
             for v, c in window.bound(where).items():
                 row.SetCoefficient(v, -c)
-            model.SetTimeLimit(int((left_s - (time.perf_counter() - t0)) * 1000))
+            _time_limit(model, left_s - (time.perf_counter() - t0))
             with _quiet_stdout():
                 status = model.Solve(params)
             if status not in _OK:
@@ -487,9 +556,11 @@ class _ILP:
                 break
         return best
 
-    def least_memory(self, rows: list, params) -> float | None:
-        """The same model, minimising memory without the budget: the least any plan needs."""
+    def least_memory(self, rows: list, params, time_limit_s: float) -> float | None:
+        """The same model, minimising memory without the budget: the least any
+        plan needs (None if the time limit ends it first)."""
         model = self.model
+        _time_limit(model, time_limit_s)
         peak = model.NumVar(0.0, model.infinity(), "peak")
         for row in rows:  # peak >= each row
             row.SetUb(0.0)
@@ -499,6 +570,11 @@ class _ILP:
         with _quiet_stdout():
             least = model.Solve(params)
         return self.obj.Value() * 2**20 if least in _OK else None
+
+
+def _time_limit(model, seconds: float) -> None:
+    """What is left of the time limit, at least a millisecond (OR-tools reads 0 as no limit)."""
+    model.SetTimeLimit(max(1, int(seconds * 1000)))
 
 
 def _on_links(moves: list, ctx: CostContext) -> dict:
@@ -576,7 +652,7 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
                                for s in strategies[node.name])
     need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
-    from autopar.report import fmt_bytes
+    from autopar.units import fmt_bytes
     parts = ", ".join(f"{graph.nodes[n].fqn or n} {fmt_bytes(b)}" for n, b in top)
     return InfeasibleError(
         f"no plan fits in {fmt_bytes(budget)} per device: the smallest plan needs at least "

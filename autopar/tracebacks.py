@@ -7,10 +7,9 @@ import traceback
 
 import torch
 
-import autopar
 import autopar.passes
 
-LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (autopar, autopar.passes, torch))
+LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, autopar.passes.__file__, torch.__file__))
 """Frames in these folders (autopar, its passes, torch) are not the user's."""
 
 

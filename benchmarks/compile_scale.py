@@ -3,6 +3,7 @@
     python benchmarks/compile_scale.py            # the table below, each size in its own process
     python benchmarks/compile_scale.py --one 175B # a single row
     python benchmarks/compile_scale.py --pipelined 175B [--layers 80] [--devices 2048] [--cache DIR]
+    python benchmarks/compile_scale.py --examples  # examples/ on 2x2: wall, solver status, ILP size
 
 GPT configurations from the GPT-3 paper (Brown et al. 2020, Table 2.1) and the
 1T row of Narayanan et al. 2021 (Table 1), built on the meta device; meshes put
@@ -52,7 +53,7 @@ def one(name: str) -> dict:
     # Without recomputation or pipelining the activations of these batches do
     # not fit in 80 GB; the memory row is relaxed here to time the planner.
     plan = autopar.compile(model, (idx, target), mesh=mesh, cluster="dgx-a100", loss_fn=lm_loss,
-                           precision="bf16", memory=1e18)
+                           precision="bf16", memory=1e18, pipeline_stages=1)  # the flat table
     total = time.perf_counter() - t0
     t = plan.solver["timings"]
     return {"model": name, "devices": devices, "mesh": "x".join(map(str, mesh)), "total_s": total,
@@ -136,6 +137,40 @@ def clustered_vs_unclustered(layers, hidden, heads, seq, vocab, batch, mesh) -> 
     return {"clustered": out[True], "unclustered": out[False], "gap": out[True][0] / out[False][0] - 1}
 
 
+EXAMPLES = ["mlp.py:small", "cnn.py:small", "gpt.py:small", "gpt.py:demo", "tied.py:small", "bert.py:small",
+            "vit.py:small", "llama.py:small", "resnet.py:small", "moe.py:small"]
+"""examples/ factories at the README's mesh, 2x2 of dgx-a100 (issue 28: each in 5 s, OPTIMAL)."""
+
+
+def example(spec: str, mesh: str = "2x2", time_limit_s: float = 60.0) -> dict:
+    """One example's whole compile: wall time, the solver's status and the ILP's size."""
+    import warnings
+
+    import autopar
+    from autopar.runtime import load_factory
+
+    model, inputs, loss = load_factory(os.path.join(HERE, "..", "examples", spec))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.compile(model, inputs, mesh=mesh, cluster="dgx-a100", loss_fn=loss, time_limit_s=time_limit_s)
+    s = plan.solver
+    return {"model": spec, "mesh": mesh, "wall_s": time.perf_counter() - t0, "status": s["status"],
+            "variables": s["variables"], "constraints": s["constraints"], "solve_s": s["timings"]["solve_s"],
+            "objective_ms": s["objective"] * 1e3, "nodes": len(plan.nodes), "load": os.getloadavg()[0]}
+
+
+def examples() -> None:
+    print(f"{'example':>16} {'mesh':>5} {'wall s':>7} {'solve s':>8} {'status':>9} {'vars':>7} {'constr.':>8} "
+          f"{'objective ms':>13} {'load':>5}")
+    for spec in EXAMPLES:
+        r = _row("--example", spec)
+        if r is not None:
+            print(f"{r['model']:>16} {r['mesh']:>5} {r['wall_s']:>7.1f} {r['solve_s']:>8.1f} {r['status']:>9} "
+                  f"{r['variables']:>7} {r['constraints']:>8} {r['objective_ms']:>13.4f} {r['load']:>5.1f}",
+                  flush=True)
+
+
 def _row(flag: str, name: str, *extra: str) -> dict | None:
     """One benchmark row in a fresh process (so that its peak RSS is its own)."""
     proc = subprocess.run([sys.executable, __file__, flag, name, *extra], capture_output=True, text=True)
@@ -154,7 +189,15 @@ def main():
     ap.add_argument("--cache", help="with --pipelined: a plan cache directory")
     ap.add_argument("--gaps", action="store_true", help="only the clustered-vs-unclustered table")
     ap.add_argument("--flat", action="store_true", help="only the flat (no pipeline) table")
+    ap.add_argument("--examples", action="store_true", help="only the examples/ table (2x2, dgx-a100)")
+    ap.add_argument("--example", help="one example, FILE.py:FACTORY in examples/")
     args = ap.parse_args()
+    if args.example:
+        print(json.dumps(example(args.example)))
+        return
+    if args.examples:
+        examples()
+        return
     if args.gaps:
         gaps()
         return
@@ -175,6 +218,8 @@ def main():
               f"{r['variables']:>7} {r['peak_rss_gb']:>7.2f} {r['step_s']:>12.2f} {r['mfu']:>6.1%}")
     if args.flat:
         return
+    print("\nexamples/ at the README's mesh (2x2, dgx-a100; wall: the whole compile, load: the 1-minute load average):")
+    examples()
     print("\nwith pipeline parallelism (pipeline_stages='auto', memory row enforced, 80 GB):")
     print(f"{'model':>6} {'GPUs':>5} {'total s':>8} {'RSS GB':>7}  {'plan':28} {'schedule':>17} {'step s':>7} {'GiB':>6}")
     for name in ("175B", "1T"):

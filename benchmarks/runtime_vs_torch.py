@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 import gpt as gpt_example  # noqa: E402
 import mlp as mlp_example  # noqa: E402
 
-from autopar import compiler  # noqa: E402
+from autopar import planner  # noqa: E402
 from autopar.capture import NodeKind, capture  # noqa: E402
 from autopar.codegen import build_program, load_program, program_source  # noqa: E402
 from autopar.compiler import compile as compile_plan  # noqa: E402
@@ -152,7 +152,7 @@ def batch_split(on: bool):
     if not on:
         yield
         return
-    original = compiler.enumerate_strategies
+    original = planner.enumerate_strategies
 
     def narrowed(graph, mesh_shape, warn=True):
         strategies, fallbacks = original(graph, mesh_shape, warn)
@@ -162,11 +162,11 @@ def batch_split(on: bool):
                 strategies[node.name] = split or strategies[node.name]
         return strategies, fallbacks
 
-    compiler.enumerate_strategies = narrowed
+    planner.enumerate_strategies = narrowed
     try:
         yield
     finally:
-        compiler.enumerate_strategies = original
+        planner.enumerate_strategies = original
 
 
 def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool):

@@ -11,6 +11,7 @@ split its work; a Partial producer receives a Replicate gradient.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,15 @@ class Move:
 
 def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links: list[AxisLinks]) -> list[Move]:
     """Collectives for src -> dst of a tensor of ``nbytes`` global bytes."""
+    if src == dst:
+        return []
+    return list(_transitions(src, dst, nbytes, tuple(mesh_shape), tuple(links)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links: tuple) -> tuple:
+    """``transitions``, remembered: the ILP asks for the same few specs and
+    sizes on every edge of a layer (placements and links are frozen values)."""
     moves = []
     src, dst = as_sum(src), as_sum(dst)
     for axis, (a, b) in enumerate(zip(src, dst)):
@@ -42,7 +52,7 @@ def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links:
         if kind is None:
             continue
         moves.append(Move(kind, axis, size, collective_time(kind, size, links[axis])))
-    return moves
+    return tuple(moves)
 
 
 def as_sum(spec: tuple) -> tuple:

@@ -144,11 +144,11 @@ def test_compile_output_is_checked_before_solving(tmp_path, capsys, no_solve, ca
 
 
 def test_compile_cache_naming_a_file_is_refused_before_tracing(tmp_path, monkeypatch):
-    import autopar.compiler
+    import autopar.planner
 
     def no_capture(*args, **kwargs):
         raise AssertionError("the model was traced before the bad cache was reported")
-    monkeypatch.setattr(autopar.compiler, "capture", no_capture)
+    monkeypatch.setattr(autopar.planner, "capture", no_capture)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(OutputError, match=r"cache '.*afile' is a file, not a directory; name a directory"):
         autopar.compile(None, (), mesh=2, cluster="cpu", cache=str(tmp_path / "afile"))

@@ -386,3 +386,25 @@ def test_batch_norm_over_microbatches_is_warned_and_kept_in_the_plan():
                                          r"\.\.\.\) normalises each of the 2 microbatches with its own statistics"):
         plan = compile_pipelined(model, inputs, mesh="pp=2", cluster=FAST, loss_fn=loss_fn, microbatches=2)
     assert any("normalises each of the 2 microbatches" in w for w in plan.warnings)
+
+
+def test_pipelines_are_searched_by_default_where_the_mesh_spans_nodes():
+    """Issue 28: without ``pipeline_stages``, a training step on a mesh that
+    spans more than one node of the cluster searches pipelines
+    (``pipeline_stages="auto"``); one that fits in a node, or
+    ``pipeline_stages=1``, plans without. The plan says why."""
+    from gpt import lm_loss
+    model, inputs = _meta_gpt(4, 256, 4, 64, 512, 32)
+    kw = dict(cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    searched = autopar.compile(model, inputs, mesh=16, **kw)
+    assert "pipeline_search" in searched.solver
+    assert searched.solver["pipelining"].startswith(
+        "the mesh's 16 devices span 2 nodes of dgx-a100: pipelines searched (pipeline_stages=1 forbids them); "
+        f"the search chose {searched.solver['pipeline_search']['decision']}")
+    forbidden = autopar.compile(model, inputs, mesh=16, pipeline_stages=1, **kw)
+    assert forbidden.pipeline is None and "pipeline_search" not in forbidden.solver
+    assert forbidden.solver["pipelining"] == "pipeline_stages=1: pipelining forbidden"
+    one_node = autopar.compile(model, inputs, mesh=8, **kw)
+    assert one_node.pipeline is None and "pipeline_search" not in one_node.solver
+    assert one_node.solver["pipelining"] == ("the mesh's 8 devices fit in one node of dgx-a100 (8 devices): "
+                                             "planned without a pipeline")

@@ -153,7 +153,7 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     data-parallelises the later layers and not the first. Forcing every layer
     to share one strategy (the clustering before the ends were peeled) is 6%
     off the unclustered optimum on this model; peeling is within 1%."""
-    import autopar.compiler
+    import autopar.planner
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
     compile_ = lambda **kw: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, **kw)  # noqa: E731
     exact = compile_(cluster_layers=False).solver["objective"]
@@ -168,7 +168,7 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     show(peeled, console=console)
     assert "layer class blocks.0 .. blocks.3 (4 layers): solved layer by layer, the gradient sync window bound " \
            f"({blocks['solves']} solves)" in console.export_text()
-    monkeypatch.setattr(autopar.compiler, "deeper_ends", lambda layers, ends, choice: ends)
+    monkeypatch.setattr(autopar.planner, "deeper_ends", lambda layers, ends, choice: ends)
     shared = compile_()
     assert shared.solver["layer_classes"][0]["shared"] == 4
     assert shared.solver["objective"] > exact * 1.01
@@ -232,11 +232,43 @@ def test_single_device_fallback_is_explicit_and_warned(monkeypatch):
 
 def test_a_solve_out_of_time_says_so_not_infeasible():
     """A solver stopped by its time limit has proved nothing: the error (and
-    a recompute option's candidate status) says TIME LIMIT and how to raise it."""
+    a recompute option's candidate status) says TIME LIMIT and how to raise
+    it. A compile without a plan from the solver by its time limit returns
+    the replicated plan, saying so; where that does not fit either, the
+    error stands."""
     model, inputs, loss_fn = load_factory("examples/gpt.py:small")
-    with pytest.raises(InfeasibleError, match=r"no plan within its 0\.01 s time limit .*--time-limit") as err:
-        autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=0.01)
+    with pytest.raises(InfeasibleError, match=r"no plan within the .* s left of the compile's time limit .*"
+                                              r"--time-limit") as err:
+        autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=0.01,
+                        memory=1e6)
     assert err.value.status == "TIME LIMIT"
+    with pytest.warns(UserWarning, match="no plan within the compile's time limit of 0.01 s: the plan runs every op "
+                                         "replicated"):
+        plan = autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=0.01)
+    assert plan.solver["status"] == "TIME LIMIT" and plan.solver["stopped_early"]
+    assert all(set(p["placements"]) == {"R"} for p in plan.parameters.values())
+    assert plan.solver["objective"] == plan.predicted["step_time_s"] > 0
+
+
+def test_the_time_limit_bounds_the_whole_compile():
+    """Capture, building the ILPs and solving them all end by the compile's
+    time limit (issue 28: at most 10% past it); a plan not proven optimal
+    by then is the best found, and the plan and a warning say so."""
+    import time
+    import warnings
+    model, inputs, loss_fn = load_factory("examples/gpt.py:demo")
+    limit = 12.0
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=limit)
+    wall = time.perf_counter() - t
+    assert wall <= 1.1 * limit, (wall, plan.solver["timings"])
+    assert plan.solver["time_limit_s"] == limit
+    if plan.solver["status"] != "OPTIMAL":  # on this 2-core machine it is not (30-60 s to prove it)
+        assert plan.solver["stopped_early"]
+        said = [w for w in plan.warnings if "time limit of 12 s" in w]
+        assert said and any(str(w.message) == "autopar: " + said[0] for w in caught)
 
 
 def test_plan_for_another_model_is_rejected():
@@ -267,7 +299,7 @@ def test_tied_weights_get_one_placement():
 def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeypatch, caplog):
     import copy
 
-    import autopar.compiler
+    import autopar.planner
     from mlp import make
     model, inputs, loss = make(batch=8, hidden=256, d_in=64, d_out=64)
     cache = str(tmp_path / "plans")
@@ -277,7 +309,7 @@ def test_plan_cache_answers_a_repeated_compile_without_solving(tmp_path, monkeyp
     def no_solve(*args, **kwargs):
         raise AssertionError("a cached plan was solved again")
 
-    monkeypatch.setattr(autopar.compiler, "_solve_with_recompute", no_solve)
+    monkeypatch.setattr(autopar.planner, "_solve_with_recompute", no_solve)
     again = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, cache=cache)
     assert again.solver.pop("cache") == "hit" and first.solver.pop("cache") == "miss"
     assert again.dumps() == first.dumps()

@@ -16,6 +16,7 @@ from autopar.errors import AutoparError
 from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, local_shape, parse_spec, shard_factor
 from autopar.plan import NodePlan, Plan
+from autopar.planner import placeholders
 from autopar.pipeline.pricing import Profile, cut_placements, once_per_step
 from autopar.pipeline.stages import Candidate, bubble_fraction
 
@@ -132,10 +133,9 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
                            "shape": [m * shape[0], *shape[1:]] if shape else shape, "microbatch_shape": shape,
                            "dtype": str(node.out.dtype),
                            "local_shape": list(local_shape(node.out.shape, spec, inner.shape))})
-    from autopar.compiler import _placeholders
     model_info = {"source": source, "fingerprint": graph.fingerprint(), "has_loss": graph.has_loss,
                   "training": graph.training,
-                  "placeholders": _placeholders(graph), "out_spec": graph.out_spec,
+                  "placeholders": placeholders(graph), "out_spec": graph.out_spec,
                   "microbatch_size": prof.microbatch}
     sol = prof.solution
     solver_info = {"status": sol.status, "objective": cand.step_s, "wall_s": sol.wall_s,

@@ -13,6 +13,7 @@ from autopar.cost_models.collectives import Collective, axis_links, collective_t
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.plan import Plan
+from autopar.planner import plan_flat as compile_flat
 from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
 from autopar.pipeline.pricing import Profile, batch_size, profiles as price
 from autopar.pipeline.stages import Candidate, MARGIN, Schedule, evaluate, should_pipeline, _best, _schedules
@@ -208,8 +209,6 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     strategies); ``reuse_layers=False`` captures it whole instead.
     ``cache``: a plan cache directory (autopar/plancache.py): the stage ILPs
     reuse its solved layer classes, a plan without a pipeline its plans."""
-    from autopar.compiler import compile as compile_flat
-
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh)
     cluster = get_cluster(cluster)

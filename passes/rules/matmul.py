@@ -6,7 +6,7 @@ import string
 
 from torch.ops import aten
 
-from autopar.passes.rules import OpInfo, register
+from autopar.passes.rules.base import OpInfo, register
 from autopar.passes.strategy import P, R, Row, S
 
 

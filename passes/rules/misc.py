@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial
 from torch.ops import aten
 
-from autopar.passes.rules import OpInfo, ReplicatedOnly, register
+from autopar.passes.rules.base import OpInfo, ReplicatedOnly, register
 from autopar.passes.strategy import P, R, Row, S
 
 

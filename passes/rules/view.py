@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules import OpInfo, register
+from autopar.passes.rules.base import OpInfo, register
 from autopar.passes.strategy import P, R, Row, S
 
 
