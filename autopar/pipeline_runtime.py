@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar import rankcheck, spmd
 from autopar.capture import Graph, Node, NodeKind, capture
 from autopar.codegen import build_program, load_program, program_source
-from autopar.errors import AutoparError, LaunchError, PlanError
+from autopar.errors import AutoparError, InputError, LaunchError, PlanError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
 from autopar.pipeline import (
@@ -403,19 +403,28 @@ class PipelinedModule(nn.Module):
         t = shard_of(torch.empty(meta.shape, dtype=meta.dtype, device=device), placements, self._inner)
         return t.contiguous().requires_grad_(meta.dtype.is_floating_point)
 
+    def _input_problem(self, inputs) -> str | None:
+        """What is wrong with this rank's batch for the plan, if anything."""
+        if len(inputs) != len(self._batch_shapes):
+            return f"the plan takes {len(self._batch_shapes)} inputs (model inputs then the target), got {len(inputs)}"
+        for i, (x, shape) in enumerate(zip(inputs, self._batch_shapes)):
+            if not isinstance(x, torch.Tensor):
+                return f"input {i} is a {type(x).__name__}; the plan takes tensors"
+            if list(x.shape) != shape:
+                return (f"input {i} has shape {list(x.shape)}; the plan was compiled for {shape} "
+                        f"({self._m} microbatches of {shape[0] // self._m}); pass the full global batch")
+        return None
+
     # --- the step ---------------------------------------------------------------------
     def forward(self, *inputs):
-        if len(inputs) != len(self._batch_shapes):
-            raise AutoparError(f"the plan takes {len(self._batch_shapes)} inputs (model inputs then the target), "
-                               f"got {len(inputs)}")
-        for i, (x, shape) in enumerate(zip(inputs, self._batch_shapes)):
-            if list(x.shape) != shape:
-                raise AutoparError(f"input {i} has shape {list(x.shape)}; the plan was compiled for {shape} "
-                                   f"({self._m} microbatches of {shape[0] // self._m}); pass the full global batch")
-        kwargs = {f"input_{i}": x.to(self._device) for i, x in enumerate(inputs)}
-        if not self._inputs_checked:  # every rank passes the global batch
-            rankcheck.same_inputs(list(kwargs.values()), self._device)
+        if not self._inputs_checked:  # once, every rank together: none may raise alone
+            rankcheck.agree(self._input_problem(inputs))
+            rankcheck.same_inputs([x.to(self._device) for x in inputs], self._device)
             self._inputs_checked = True
+        problem = self._input_problem(inputs)
+        if problem:
+            raise InputError(problem)
+        kwargs = {f"input_{i}": x.to(self._device) for i, x in enumerate(inputs)}
         self._refresh()
         losses: list = []
         # The loss is computed inside the last stage's program; the schedule's

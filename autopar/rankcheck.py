@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.errors import RankMismatchError
+from autopar.errors import InputError, RankMismatchError
 
 SAMPLE = 4096
 """Elements of a tensor weighted by position in its fingerprint (strided over it)."""
@@ -73,6 +73,23 @@ def share_scratch(model: torch.nn.Module, device: torch.device, scratch: set) ->
             dist.broadcast(shared, src=0)
             with torch.no_grad():
                 b.copy_(shared)
+
+
+def agree(problem: str | None) -> None:
+    """Raise ``InputError`` on every rank if any rank found ``problem`` with
+    the batch it was given (its own check, e.g. the number of inputs or their
+    shapes). A rank that raised alone would leave the others waiting in the
+    step's first collective until the process group's timeout."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if problem:
+            raise InputError(problem)
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    bad = [rank for rank, p in enumerate(everyone) if p]
+    if bad:
+        also = f" (rank(s) {', '.join(map(str, bad[1:]))} too)" if len(bad) > 1 else ""
+        raise InputError(f"rank {bad[0]}: {everyone[bad[0]]}{also}")
 
 
 def same_inputs(inputs, device: torch.device) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from autopar import errors, rankcheck, spmd
-from autopar.errors import AutoparError, FactoryError, LaunchError
+from autopar.errors import AutoparError, FactoryError, InputError, LaunchError
 from autopar.passes.strategy import parse_spec
 from autopar.plan import Plan
 from autopar.tracebacks import format_frames, user_frames
@@ -163,7 +163,7 @@ class ParallelModule(nn.Module):
             else torch.device("cpu")
         self._program = program
         self._local_inputs = local_inputs
-        self._inputs_checked = local_inputs  # a global batch is checked to be one batch at the first forward
+        self._inputs_checked = False  # at the first forward, on every rank together
         if check_ranks and not sharded:
             rankcheck.same_state(model, device)
         self._placements = {}
@@ -228,20 +228,40 @@ class ParallelModule(nn.Module):
 
     def forward(self, *inputs):
         check_mode(self.training, self.plan)
-        expected = len(self.plan.inputs)
-        if len(inputs) != expected:
-            raise AutoparError(
-                f"the plan takes {expected} input(s) ({'model inputs then the target' if self.plan.model.get('has_loss') else 'model inputs'}), got {len(inputs)}"
-            )
         device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
             torch.device("cuda", torch.cuda.current_device())
-        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
         if not self._inputs_checked:
-            rankcheck.same_inputs(inputs, device)
+            # Once, every rank together: a rank whose batch is wrong must not raise alone
+            # (the others would wait for it in the step's first collective).
+            rankcheck.agree(self._input_problem(inputs))
+            if not self._local_inputs:
+                rankcheck.same_inputs([x.to(device) for x in inputs], device)
             self._inputs_checked = True
+        problem = self._input_problem(inputs)
+        if problem:
+            raise InputError(problem)
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
         with spmd.use_mesh(self.mesh), spmd.random_step(), spmd.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
+
+    def _input_problem(self, inputs) -> str | None:
+        """What is wrong with this rank's batch for the plan, if anything: the
+        number of inputs, a non-tensor, a shape (the global one, or with
+        ``local_inputs`` this rank's shard of it)."""
+        what = "model inputs then the target" if self.plan.model.get("has_loss") else "model inputs"
+        if len(inputs) != len(self.plan.inputs):
+            return f"the plan takes {len(self.plan.inputs)} input(s) ({what}), got {len(inputs)}"
+        key, kind = ("local_shape", "this rank's shard, local_inputs=True") if self._local_inputs else \
+            ("shape", "the whole global batch")
+        for i, (x, info) in enumerate(zip(inputs, self.plan.inputs)):
+            if not isinstance(x, torch.Tensor):
+                return f"input {i} is a {type(x).__name__}; the plan takes tensors"
+            if list(x.shape) != list(info[key]):
+                return (f"input {i} has shape {list(x.shape)}; the plan was compiled for {list(info[key])} "
+                        f"({kind}). autopar plans static shapes: compile for this shape (the decorator "
+                        "form does so itself)")
+        return None
 
     # --- checkpoints speak full tensors ---------------------------------
     def state_dict(self, *args, **kwargs):

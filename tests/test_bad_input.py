@@ -66,8 +66,14 @@ def test_ranks_that_disagree_raise_the_same_error_on_every_rank():
     proc = torchrun(["tests/fixtures/bad_ranks.py", FASTNET], 2, timeout=300)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stdout[-2000:]
     lines = dict(re.findall(r"^case (\d rank \d): (.*)$", proc.stdout, re.M))
-    assert len(lines) == 14, proc.stdout
+    assert len(lines) == 20, proc.stdout
     for rank in (0, 1):
+        short, shard, short_pipelined = (lines[f"{case} rank {rank}"] for case in (7, 8, 9))
+        assert short == "InputError: rank 1: the plan takes 2 input(s) (model inputs then the target), got 1"
+        assert re.match(r"InputError: rank 1: input 0 has shape \[(\d+), 32\]; the plan was compiled for "
+                        r"\[(\d+), 32\] \(this rank's shard, local_inputs=True\)", shard), shard
+        assert short_pipelined == ("InputError: rank 1: the plan takes 2 inputs (model inputs then the target), "
+                                   "got 1")
         seeds, batches, infeasible, pipelined, models, pipelined_batches = (
             lines[f"{case} rank {rank}"] for case in (1, 2, 3, 4, 5, 6))
         assert pipelined_batches.startswith("RankMismatchError: rank 1 passed a different input 0 (shape [4, 8]")
