@@ -31,7 +31,8 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     "selective", "full" or "auto" (passes/recompute.py). ``opt_level`` 1 clusters repeated layers (one set of ILP
     variables per layer class); 2 solves every node on its own where that is
     tractable and tries partial recomputation too. ``parameter_placements``
-    pins parameters ({fqn: ["S(0)", "R"]}). ``deterministic`` leaves wall-clock
+    pins parameters ({fqn: ["S(0)", "R"]}, one placement per mesh axis; a
+    trailing "regather" pins ZeRO-3 for a sharded one). ``deterministic`` leaves wall-clock
     times out of the plan so that equal inputs give byte-identical plan.json.
     ``cache``: a directory of solved plans (autopar/plancache.py); compiling
     what was compiled before returns the stored plan without solving, and a

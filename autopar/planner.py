@@ -336,9 +336,11 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> di
         if fqn not in graph.params:
             raise AutoparError(f"cannot pin {fqn!r}: the model has no such parameter")
         name = graph.params[fqn]
-        text = "".join(spec)
+        spec = list(spec)
+        regather = bool(spec) and spec[-1] == "regather"  # ZeRO-3: gathered copies not kept for backward
+        text = "".join(spec[:-1] if regather else spec)
         for i, s in enumerate(strategies[name]):
-            if fmt_spec(s.output) == text:
+            if fmt_spec(s.output) == text and s.regather == regather:
                 rep = classes[name]
                 if shared.get(rep, i) != i:
                     raise AutoparError(f"cannot pin {fqn} to {text}: it shares its layer class's placement "
@@ -346,8 +348,9 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> di
                 shared[rep] = pins[name] = i
                 break
         else:
-            valid = [fmt_spec(s.output) for s in strategies[name]]
-            raise AutoparError(f"cannot pin {fqn} to {text}: valid placements for it are {valid}")
+            valid = [fmt_spec(s.output) + (" regather" if s.regather else "") for s in strategies[name]]
+            raise AutoparError(f"cannot pin {fqn} to {' '.join(spec)}: valid placements for it are {valid} "
+                               "(a trailing 'regather' asks for ZeRO-3: shards gathered again in backward)")
     return pins
 
 

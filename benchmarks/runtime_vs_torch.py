@@ -1,6 +1,7 @@
 """Emitted programs against the same parallelization written by hand with torch.distributed.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] [--cases dp,zero2,tp]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] \
+        [--cases dp,zero2,zero3,tp,tp_zero2]
 
 One launch, 4 gloo ranks. For each case autopar compiles a plan on the
 ``cpu`` cluster with the parameters pinned to the family's placements (the
@@ -11,9 +12,19 @@ equivalent is built from the same initial weights:
   ``DistributedDataParallel``;
 * ``zero2``: parameters held sharded on dim 0 and gathered for use, gradients
   reduce-scattered, against FSDP2 ``fully_shard(reshard_after_forward=False)``;
+* ``zero3``: the same, the gathered copies freed after use and gathered
+  again in backward, against FSDP2 ``fully_shard(reshard_after_forward=True)``;
 * ``tp``: Megatron tensor parallelism of a GPT (q, k, v and the MLP's first
   GEMM split by columns, the projections by rows, the rest replicated),
-  against ``parallelize_module`` with ColwiseParallel / RowwiseParallel.
+  against ``parallelize_module`` with ColwiseParallel / RowwiseParallel;
+* ``tp_zero2``: a 2x2 mesh, the GPT's Megatron split on the second axis and
+  every parameter held sharded on dim 0 over the first (ZeRO-2), the batch
+  split over the first, against ``parallelize_module`` on the second axis
+  composed with FSDP2 ``fully_shard(reshard_after_forward=False)`` on the
+  first (as torchtitan composes them).
+
+Each row also gives the plain model's step on one device (rank 0, the whole
+batch, while the others wait).
 
 The two steps (forward, backward, AdamW) alternate, each after a barrier,
 autopar first on even steps; a step's time is the slowest rank's. The table
@@ -72,6 +83,10 @@ def all_params(model, spec):
     return {fqn: [spec] for fqn, _ in model.named_parameters()}
 
 
+def zero3_pins(model):
+    return {fqn: ["S(0)", "regather"] for fqn, _ in model.named_parameters()}
+
+
 def megatron_pins(model):
     """Column-parallel q, k, v, fc (weight and bias split on the output dim),
     row-parallel projections (weight on its input dim, bias replicated);
@@ -85,6 +100,12 @@ def megatron_pins(model):
         else:
             pins[fqn] = ["R"]
     return pins
+
+
+def megatron_zero2_pins(model):
+    """``megatron_pins`` on the second mesh axis, every parameter sharded on
+    dim 0 over the first (FSDP2's sharding of a tensor-parallel weight)."""
+    return {fqn: ["S(0)", *tp] for fqn, tp in megatron_pins(model).items()}
 
 
 # --- the hand-written equivalents -------------------------------------------
@@ -107,6 +128,18 @@ def fsdp2(reshard: bool):
     return build
 
 
+def megatron_fsdp2(model, mesh, inputs, loss_fn):
+    """Megatron on the second axis, FSDP2 (ZeRO-2) over the first, the batch split over the first."""
+    from torch.distributed.fsdp import fully_shard
+    dp, tp = mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]
+    _megatron_blocks(model, tp)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp, reshard_after_forward=False)
+    idx, target = (t.chunk(dp.size())[dp.get_local_rank()] for t in inputs)
+    return model, lambda: loss_fn(model(idx), target)
+
+
 def _local_heads_forward(self, x):
     """gpt.Attention.forward on this rank's heads (the hidden size from the local q)."""
     b, s, _ = x.shape
@@ -117,35 +150,45 @@ def _local_heads_forward(self, x):
     return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * width))
 
 
-def megatron(model, mesh, inputs, loss_fn):
+def _megatron_blocks(model, mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in model.blocks:
         parallelize_module(block, mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
                                          "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                          "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
-        block.attn.heads //= WORLD
+        block.attn.heads //= mesh.size()
         block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
+
+
+def megatron(model, mesh, inputs, loss_fn):
+    _megatron_blocks(model, mesh)
     idx, target = inputs
     return model, lambda: loss_fn(model(idx), target)
 
 
 CASES = {
-    # name: (model factory, pins, hand-written builder, its name, family check on the plan, batch split pinned)
+    # name: (model factory, pins, hand-written builder, its name, family check on the plan, batch split pinned,
+    #        mesh)
     "dp": (mlp_case, lambda m: all_params(m, "R"), ddp, "DistributedDataParallel",
-           lambda plan: all(p["placements"] == ["R"] for p in plan.parameters.values()), True),
+           lambda plan: all(p["placements"] == ["R"] for p in plan.parameters.values()), True, "4"),
     "zero2": (mlp_case, lambda m: all_params(m, "S(0)"), fsdp2(reshard=False),
               "FSDP2 fully_shard(reshard_after_forward=False)",
-              lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values()), True),
+              lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values()), True, "4"),
+    "zero3": (mlp_case, zero3_pins, fsdp2(reshard=True), "FSDP2 fully_shard(reshard_after_forward=True)",
+              lambda plan: all(p.get("zero_stage") == 3 for p in plan.parameters.values()), True, "4"),
     "tp": (gpt_case, megatron_pins, megatron, "parallelize_module Colwise/Rowwise",
-           lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values()), False),
+           lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values()), False, "4"),
+    "tp_zero2": (gpt_case, megatron_zero2_pins, megatron_fsdp2, "parallelize_module (y) + FSDP2 no reshard (x)",
+                 lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values())
+                 and any(p["placements"] == ["S(0)", "S(1)"] for p in plan.parameters.values()), True, "2x2"),
 }
 
 
 @contextlib.contextmanager
 def batch_split(on: bool):
     """The compiler pins parameters only; with ``on``, the inputs' and ops'
-    strategies are narrowed to those with the batch split (output S(0)),
-    where they have one, while the planner solves. Without it, on the ``cpu``
+    strategies are narrowed to those with the batch split over the first
+    mesh axis (output S(0) there), where they have one, while the planner solves. Without it, on the ``cpu``
     cluster (a collective costs ~6 ms there) the planner replicates the MLP's
     whole step on every rank rather than split the batch, and uses S(0)
     weights as tensor-parallel shards rather than gather them (ZeRO)."""
@@ -158,7 +201,7 @@ def batch_split(on: bool):
         strategies, fallbacks = original(graph, mesh_shape, warn)
         for node in graph.nodes.values():
             if node.kind is not NodeKind.PARAM:
-                split = [s for s in strategies[node.name] if fmt_spec(s.output) == "S(0)"]
+                split = [s for s in strategies[node.name] if fmt_spec(s.output[:1]) == "S(0)"]
                 strategies[node.name] = split or strategies[node.name]
         return strategies, fallbacks
 
@@ -169,10 +212,10 @@ def batch_split(on: bool):
         planner.enumerate_strategies = original
 
 
-def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool):
+def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool, mesh: str):
     def solve():
         with batch_split(split_batch):
-            return compile_plan(model, inputs, mesh=str(WORLD), cluster="cpu", loss_fn=loss_fn,
+            return compile_plan(model, inputs, mesh=mesh, cluster="cpu", loss_fn=loss_fn,
                                 parameter_placements=pins)
 
     plan = agreed_plan(solve)
@@ -191,28 +234,37 @@ def timed(step, opt) -> float:
     return time.perf_counter() - t
 
 
-def run_case(name: str, device_mesh, steps: int, warmup: int) -> dict:
-    make, pins, hand, hand_name, is_family, split_batch = CASES[name]
+def one_device(model, inputs, loss_fn):
+    """The plain model's step on rank 0 (the whole batch); the other ranks do nothing."""
+    if dist.get_rank() != 0:
+        return lambda: torch.zeros((), requires_grad=True)
+    return lambda: loss_fn(model(*inputs[:-1]), inputs[-1])
+
+
+def run_case(name: str, meshes: dict, steps: int, warmup: int) -> dict:
+    make, pins, hand, hand_name, is_family, split_batch, mesh = CASES[name]
+    device_mesh = meshes[mesh]
     model, inputs, loss_fn = make()
-    twin = copy.deepcopy(model)
-    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch)
+    twin, alone = copy.deepcopy(model), copy.deepcopy(model)
+    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch, mesh)
     if not is_family(plan):
         raise SystemExit(f"{name}: the pinned plan is not the family it benchmarks: "
                          f"{ {k: (v['placements'], v.get('zero_stage')) for k, v in plan.parameters.items()} }")
     theirs_module, theirs = hand(twin, device_mesh, inputs, loss_fn)
-    opts = [torch.optim.AdamW(pmodel.parameters(), lr=LR), torch.optim.AdamW(theirs_module.parameters(), lr=LR)]
-    times: list[list[float]] = [[], []]
+    steps_ = (ours, theirs, one_device(alone, inputs, loss_fn))
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (pmodel, theirs_module, alone)]
+    times: list[list[float]] = [[], [], []]
     for i in range(warmup + steps):
         order = (0, 1) if i % 2 == 0 else (1, 0)
-        for k in order:
-            t = timed((ours, theirs)[k], opts[k])
+        for k in (*order, 2):
+            t = timed(steps_[k], opts[k])
             if i >= warmup:
                 times[k].append(t)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    a, b = (statistics.median(row) for row in slowest.tolist())
-    return {"case": name, "hand": hand_name, "autopar_ms": a * 1e3, "hand_ms": b * 1e3, "ratio": a / b,
-            "predicted_ms": plan.predicted["step_time_s"] * 1e3}
+    a, b, one = (statistics.median(row) for row in slowest.tolist())
+    return {"case": name, "mesh": mesh, "hand": hand_name, "autopar_ms": a * 1e3, "hand_ms": b * 1e3,
+            "ratio": a / b, "one_device_ms": one * 1e3, "predicted_ms": plan.predicted["step_time_s"] * 1e3}
 
 
 def main():
@@ -221,13 +273,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
-    device_mesh = init_distributed((WORLD,), ("x",))
-    rows = [run_case(c, device_mesh, args.steps, args.warmup) for c in args.cases.split(",")]
+    from torch.distributed.device_mesh import init_device_mesh
+    meshes = {"4": init_distributed((WORLD,), ("x",))}
+    meshes["2x2"] = init_device_mesh(meshes["4"].device_type, (2, 2), mesh_dim_names=("x", "y"))
+    rows = [run_case(c, meshes, args.steps, args.warmup) for c in args.cases.split(",")]
     if dist.get_rank() == 0:
-        print(f"{'case':<6} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} {'predicted ms':>12}")
+        print(f"{'case':<9} {'mesh':<4} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} "
+              f"{'predicted ms':>12} {'one device ms':>13}")
         for r in rows:
-            print(f"{r['case']:<6} {r['hand']:<46} {r['autopar_ms']:>10.1f} {r['hand_ms']:>8.1f} "
-                  f"{r['ratio']:>5.2f}x {r['predicted_ms']:>12.1f}")
+            print(f"{r['case']:<9} {r['mesh']:<4} {r['hand']:<46} {r['autopar_ms']:>10.1f} {r['hand_ms']:>8.1f} "
+                  f"{r['ratio']:>5.2f}x {r['predicted_ms']:>12.1f} {r['one_device_ms']:>13.1f}")
     shutdown(exit_code=0)
 
 

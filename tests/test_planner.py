@@ -497,3 +497,27 @@ def test_experts_that_dominate_are_split(factory):
     plan = autopar.compile(model, inputs, mesh="4", cluster="dgx-a100", loss_fn=loss_fn)
     assert not plan.fallbacks
     assert experts and all(plan.parameters[n]["placements"] != ["R"] for n in experts), plan.parameters
+
+
+def test_a_trailing_regather_pins_zero_3():
+    """``parameter_placements`` pins a sharded parameter's ZeRO-2 strategy
+    (gathered copies kept for backward) unless the pin ends in "regather"
+    (ZeRO-3: gathered again in backward); a pin that is no strategy says
+    which are. (benchmarks/runtime_vs_torch.py's zero3 case pins every
+    parameter so and checks that the plan is ZeRO-3.)"""
+    from autopar.capture import capture
+    from autopar.passes.cluster import layer_classes
+    from autopar.passes.enumerate import enumerate_strategies
+    from autopar.planner import _pins
+    model, inputs, loss = load_factory(f"{ROOT}/examples/mlp.py:small")
+    graph = capture(model, inputs, loss)
+    strategies, _ = enumerate_strategies(graph, (2,), warn=False)
+    classes = layer_classes(graph)
+    for pin, regather in ((["S(0)"], False), (["S(0)", "regather"], True)):
+        pins = _pins(graph, strategies, {"layers.0.weight": pin}, classes)
+        name = graph.params["layers.0.weight"]
+        chosen = strategies[name][pins[name]]
+        assert str(chosen) == "() -> S(0)" + (" regather" if regather else ""), pin
+    with pytest.raises(autopar.AutoparError, match=r"cannot pin layers.0.weight to S\(7\): valid placements for "
+                       r"it are \[.*'S\(0\) regather'.*a trailing 'regather' asks for ZeRO-3"):
+        _pins(graph, strategies, {"layers.0.weight": ["S(7)"]}, classes)
