@@ -405,26 +405,22 @@ class PipelinedModule(nn.Module):
 
     def _input_problem(self, inputs) -> str | None:
         """What is wrong with this rank's batch for the plan, if anything."""
-        if len(inputs) != len(self._batch_shapes):
-            return f"the plan takes {len(self._batch_shapes)} inputs (model inputs then the target), got {len(inputs)}"
-        for i, (x, shape) in enumerate(zip(inputs, self._batch_shapes)):
-            if not isinstance(x, torch.Tensor):
-                return f"input {i} is a {type(x).__name__}; the plan takes tensors"
-            if list(x.shape) != shape:
-                return (f"input {i} has shape {list(x.shape)}; the plan was compiled for {shape} "
-                        f"({self._m} microbatches of {shape[0] // self._m}); pass the full global batch")
-        return None
+        m, shapes = self._m, self._batch_shapes
+        return rankcheck.batch_problem(
+            inputs, shapes, f"{len(shapes)} inputs (model inputs then the target)",
+            f"({m} microbatches of {shapes[0][0] // m if shapes and shapes[0] else 0}); pass the full global batch")
 
     # --- the step ---------------------------------------------------------------------
     def forward(self, *inputs):
-        if not self._inputs_checked:  # once, every rank together: none may raise alone
-            rankcheck.agree(self._input_problem(inputs))
-            rankcheck.same_inputs([x.to(self._device) for x in inputs], self._device)
-            self._inputs_checked = True
         problem = self._input_problem(inputs)
-        if problem:
+        if not self._inputs_checked:  # once, every rank together: none may raise alone
+            rankcheck.agree(problem)
+        elif problem:
             raise InputError(problem)
         kwargs = {f"input_{i}": x.to(self._device) for i, x in enumerate(inputs)}
+        if not self._inputs_checked:
+            rankcheck.same_inputs(list(kwargs.values()), self._device)
+            self._inputs_checked = True
         self._refresh()
         losses: list = []
         # The loss is computed inside the last stage's program; the schedule's

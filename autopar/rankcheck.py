@@ -92,6 +92,21 @@ def agree(problem: str | None) -> None:
         raise InputError(f"rank {bad[0]}: {everyone[bad[0]]}{also}")
 
 
+def batch_problem(inputs, shapes: list, takes: str, shape_note: str) -> str | None:
+    """What is wrong with a batch for a plan compiled for ``shapes``, if
+    anything: the number of inputs (``takes`` says what the plan takes),
+    a non-tensor, a shape (``shape_note`` follows the shape it was
+    compiled for)."""
+    if len(inputs) != len(shapes):
+        return f"the plan takes {takes}, got {len(inputs)}"
+    for i, (x, shape) in enumerate(zip(inputs, shapes)):
+        if not isinstance(x, torch.Tensor):
+            return f"input {i} is a {type(x).__name__}; the plan takes tensors"
+        if list(x.shape) != list(shape):
+            return f"input {i} has shape {list(x.shape)}; the plan was compiled for {list(shape)} {shape_note}"
+    return None
+
+
 def same_inputs(inputs, device: torch.device) -> None:
     """Raise ``RankMismatchError`` on every rank unless each passed rank 0's batch."""
     entries = [(f"input {i} (shape {list(x.shape)}, {x.dtype})", x)

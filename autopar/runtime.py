@@ -230,17 +230,18 @@ class ParallelModule(nn.Module):
         check_mode(self.training, self.plan)
         device = torch.device(self.mesh.device_type) if self.mesh.device_type == "cpu" else \
             torch.device("cuda", torch.cuda.current_device())
+        problem = self._input_problem(inputs)
         if not self._inputs_checked:
             # Once, every rank together: a rank whose batch is wrong must not raise alone
             # (the others would wait for it in the step's first collective).
-            rankcheck.agree(self._input_problem(inputs))
-            if not self._local_inputs:
-                rankcheck.same_inputs([x.to(device) for x in inputs], device)
-            self._inputs_checked = True
-        problem = self._input_problem(inputs)
-        if problem:
+            rankcheck.agree(problem)
+        elif problem:
             raise InputError(problem)
-        inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+        inputs = [x.to(device) for x in inputs]
+        if not self._inputs_checked:
+            if not self._local_inputs:
+                rankcheck.same_inputs(inputs, device)
+            self._inputs_checked = True
         with spmd.use_mesh(self.mesh), spmd.random_step(), spmd.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
@@ -250,18 +251,11 @@ class ParallelModule(nn.Module):
         number of inputs, a non-tensor, a shape (the global one, or with
         ``local_inputs`` this rank's shard of it)."""
         what = "model inputs then the target" if self.plan.model.get("has_loss") else "model inputs"
-        if len(inputs) != len(self.plan.inputs):
-            return f"the plan takes {len(self.plan.inputs)} input(s) ({what}), got {len(inputs)}"
         key, kind = ("local_shape", "this rank's shard, local_inputs=True") if self._local_inputs else \
             ("shape", "the whole global batch")
-        for i, (x, info) in enumerate(zip(inputs, self.plan.inputs)):
-            if not isinstance(x, torch.Tensor):
-                return f"input {i} is a {type(x).__name__}; the plan takes tensors"
-            if list(x.shape) != list(info[key]):
-                return (f"input {i} has shape {list(x.shape)}; the plan was compiled for {list(info[key])} "
-                        f"({kind}). autopar plans static shapes: compile for this shape (the decorator "
-                        "form does so itself)")
-        return None
+        return rankcheck.batch_problem(
+            inputs, [info[key] for info in self.plan.inputs], f"{len(self.plan.inputs)} input(s) ({what})",
+            f"({kind}). autopar plans static shapes: compile for this shape (the decorator form does so itself)")
 
     # --- checkpoints speak full tensors ---------------------------------
     def state_dict(self, *args, **kwargs):
