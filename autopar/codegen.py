@@ -1,13 +1,16 @@
 """Codegen: the captured graph rewritten as a per-rank SPMD program.
 
-Each op runs on DTensors placed as the plan says; wherever a producer's
-placement differs from what its consumer's strategy wants, a ``reshard`` call
-is inserted, which is the collective the plan lists for that edge. The result
+Each op runs on this rank's shards (plain tensors) placed as the plan says;
+wherever a producer's placement differs from what its consumer's strategy
+wants, a ``reshard`` call is inserted, which is the collective the plan lists
+for that edge, and where gradients come back as partial sums they are summed
+(see ``_Gradients``). The result
 is an fx GraphModule, printed as readable Python; the runtime executes exactly
 this source, and ``autopar codegen`` writes it next to a torchrun entry point.
 """
 from __future__ import annotations
 
+import linecache
 import operator
 import os
 import textwrap
@@ -15,25 +18,32 @@ import types
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
 from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
 from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
-from autopar.passes.strategy import Strategy, local_shape, parse_spec
+from autopar.cost_models.resharding import as_sum, grad_spec
+from autopar.passes.strategy import Strategy, fmt_spec, local_shape, parse_spec
 from autopar.plan import Plan
 
 HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
 
-Every `autopar_spmd_reshard(x, "<spec>")` is a collective (or a free local slice)
-on the mesh axes whose placement changes; placements print as S(d) / R / P per
-mesh axis. Gradient sync: the gradient of `autopar_spmd_param(w, "<spec>")` is
-reduce-scattered in backward over the axes where spec shards w, and all-reduced
-over the axes where it is R in buckets launched while backward runs, waited for
-at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum (the
-loss) all-reduces it without waiting there. Predicted step time {step:.3g} s,
-peak memory {mem:.3g} GiB per device.
+Every value is this rank's shard, a plain tensor; ops run on it as they are.
+Collectives are the calls below, with the mesh axes they run on:
+`autopar_spmd_reshard(x, "<from>-><to>", "<grad from>-><grad to>")` moves a
+value between placements (S(d) / R / P per mesh axis) and, in backward, its
+gradient (a move from P is an all-reduce or, to S(d), a reduce-scatter);
+`autopar_spmd_grad_allreduce(x, axes)` is the identity whose backward
+all-reduces the gradient over those axes; `autopar_spmd_grad_share(x, axes)`
+passes a whole gradient on coordinate 0 of those axes only (no collective).
+Parameters (`autopar_spmd_param`) leave the all-reduce of their gradients over
+the axes that replicate them to buckets launched while backward runs, waited
+for at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum
+(the loss) all-reduces it without waiting there. Predicted step time
+{step:.3g} s, peak memory {mem:.3g} GiB per device.
 """
 '''
 
@@ -96,9 +106,20 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False, traced: 
     (parameters, buffers, inputs) and returns the flat outputs. Layers the plan
     recomputes become submodules run under activation checkpointing.
     ``traced``: the graph the plan was compiled from, when ``graph`` is that
-    step in other dtypes (``check_plan_matches``)."""
+    step in other dtypes (``check_plan_matches``).
+
+    Emitted twice: the first pass records how every use of every value gives
+    its gradient (``_Gradients``), the second writes the program with the
+    gradient sums and shares that makes them add up."""
     check_plan_matches(graph, plan, traced)
-    emit = _Emitter(graph, plan, local_inputs)
+    grads = _Gradients(plan.mesh.shape)
+    _emit(graph, plan, local_inputs, grads)
+    grads.solve()
+    return _emit(graph, plan, local_inputs, grads)
+
+
+def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> fx.GraphModule:
+    emit = _Emitter(graph, plan, local_inputs, grads)
     regions = _recompute_regions(graph, plan)
     region_of = {name: i for i, names in enumerate(regions) for name in names}
     root = torch.nn.Module()
@@ -135,6 +156,73 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False, traced: 
     return fx.GraphModule(root, main, class_name="RankProgram")
 
 
+class _Gradients:
+    """Codegen's account of gradients, from the plan alone.
+
+    A value of the program is a node's output (keyed by the node's name), a
+    reshard of one ("<name>@<spec>") or one output of a multi-output op
+    ("<name>@item"). Each use gives the value's gradient in placements that
+    follow from its consumer's strategy (``grad_spec``): on a mesh axis where
+    the value is replicated, a partial sum if the consumer splits its work
+    there, the whole gradient otherwise. ``partial[key]``: the axes where the
+    gradient of the value is summed as partial sums (some use gives one there,
+    or the value is a parameter: its sum is ``GradSync``'s); a use that gives
+    the whole gradient there passes it through ``grad_share``, and the sum
+    happens where the value is made (``grad_allreduce``, or the ``reshard``
+    that made it moves the partial sum on: "P->S(0)" is a reduce-scatter)."""
+
+    def __init__(self, mesh_shape):
+        self.sizes = tuple(mesh_shape)
+        self.spec: dict = {}  # key -> placements (a P(avg) as the Partial sum it runs as)
+        self.params: set = set()
+        self.uses: dict = {}  # key -> the gradient placements of each use
+        self.reshards: dict = {}  # reshard key -> its source's key, in program order
+        self.partial: dict = {}
+        self.solved = False
+
+    def value(self, key: str, spec: str, param: bool = False) -> None:
+        self.spec[key] = as_sum(parse_spec(spec, len(self.sizes)))
+        if param:
+            self.params.add(key)
+
+    def use(self, key: str, grad: tuple) -> tuple:
+        """Record a use's gradient placements; once solved, the axes where it must share."""
+        if not self.solved:
+            self.uses.setdefault(key, []).append(grad)
+            return ()
+        return tuple(a for a in self.partial.get(key, ()) if not isinstance(grad[a], Partial))
+
+    def reshard(self, key: str, source: str) -> None:
+        self.reshards.setdefault(key, source)
+
+    def solve(self) -> None:
+        for key, source in reversed(self.reshards.items()):  # a reshard's uses before its source's
+            self.partial[key] = self._axes(key)
+            self.uses.setdefault(source, []).append(tuple(
+                Partial() if a in self.partial[key] and isinstance(p, Replicate) else
+                Replicate() if isinstance(p, Partial) else p for a, p in enumerate(self.spec[source])))
+        for key in self.spec:
+            if key not in self.partial:
+                self.partial[key] = self._axes(key)
+        self.solved = True
+
+    def _axes(self, key: str) -> tuple:
+        uses = self.uses.get(key, [])
+        return tuple(a for a, p in enumerate(self.spec[key]) if isinstance(p, Replicate) and self.sizes[a] > 1
+                     and (key in self.params or any(isinstance(g[a], Partial) for g in uses)))
+
+    def arriving(self, key: str) -> tuple:
+        """Where the gradient of the value arrives: whole (a partial value's
+        gradient is the sum's), a partial sum on ``partial[key]``."""
+        axes = self.partial.get(key, ())
+        return tuple(Partial() if a in axes else Replicate() if isinstance(p, Partial) else p
+                     for a, p in enumerate(self.spec[key]))
+
+    def back(self, key: str, source: str) -> str:
+        """The backward spec of the reshard ``key`` of ``source``."""
+        return f"{fmt_spec(self.arriving(key))}->{fmt_spec(self.arriving(source))}"
+
+
 def regions_label(graph: Graph, names: list) -> str:
     """"blocks_0" for a whole layer, "blocks_0_attn" for a region inside one:
     the module path its ops share (ops of the top level, glue between a
@@ -153,13 +241,26 @@ def _recompute_regions(graph: Graph, plan: Plan) -> list[list[str]]:
 
 
 class _Emitter:
-    """Emits one captured node into an fx graph, with the reshards its strategy needs."""
+    """Emits one captured node into an fx graph, with the reshards its strategy
+    needs and the gradient sums and shares ``grads`` asks for."""
 
-    def __init__(self, graph: Graph, plan: Plan, local_inputs: bool):
-        self.graph, self.plan, self.local_inputs = graph, plan, local_inputs
+    def __init__(self, graph: Graph, plan: Plan, local_inputs: bool, grads: _Gradients):
+        self.graph, self.plan, self.local_inputs, self.grads = graph, plan, local_inputs, grads
         self.specs = {n.name: n for n in plan.nodes}
         self.inputs = {i["name"]: i for i in plan.inputs}
         self.fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
+        self.ndim = plan.mesh.ndim
+        self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
+        self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
+
+    def _made(self, g: fx.Graph, env: dict, name: str, spec: str, param: bool = False) -> None:
+        """Value ``name`` (in ``env``) is made here: the sum of its partial gradients, if any."""
+        self.grads.value(name, spec, param)
+        axes = self.grads.partial.get(name, ()) if not param else ()
+        if axes:
+            made = env[name]
+            env[name] = g.call_function(spmd.grad_allreduce, (made, axes))
+            env[name].name = f"{made.name}_g"
 
     def node(self, g: fx.Graph, env: dict, src: fx.Node) -> None:
         specs = self.specs
@@ -168,77 +269,161 @@ class _Emitter:
             ph = g.placeholder(src.name)
             spec = specs[src.name].output_spec
             if node.kind is NodeKind.PARAM:
-                regather = self.plan.parameters.get(node.fqn, {}).get("regather", False)
-                env[src.name] = g.call_function(spmd.param, (ph, spec, True) if regather else (ph, spec))
+                env[src.name] = g.call_function(spmd.param, (ph, spec))
+                env[src.name].name = f"{src.name}_p"
+                self._made(g, env, src.name, spec, param=True)
             elif node.kind is NodeKind.INPUT:
                 entry = self.inputs[src.name]
                 local = self.local_inputs or entry.get("local", False)
                 env[src.name] = g.call_function(spmd.shard_input, (ph, spec, entry["shape"], local))
+                env[src.name].name = f"{src.name}_s"
+                self._made(g, env, src.name, spec)
             else:
-                env[src.name] = g.call_function(spmd.replicate, (ph,))
-            env[src.name].name = f"{src.name}_d"
+                env[src.name] = ph
+                self._made(g, env, src.name, spec)
             return
         if src.op == "output":
             plan_node = specs["output"]
             # a pipeline stage sends its shards on (pipeline_runtime.stage_plan); programs return full values
             local = self.plan.model.get("local_outputs")
-            outs = [env[a] if not local and _sums_in_output(specs[a].output_spec, plan_node.input_specs[i])
-                    else _resharded(g, env, a, plan_node.input_specs[i], specs) for i, a in enumerate(node.inputs)]
+            outs = []
+            for i, a in enumerate(node.inputs):
+                have, want = specs[a].output_spec, plan_node.input_specs[i]
+                if not local and _sums_in_output(have, want):
+                    value = self._use(g, env, a, env[a], self._whole(have))
+                    outs.append(g.call_function(spmd.output, (value, _as_sum(have))))
+                else:
+                    outs.append(self._use(g, env, self._key(a, want), self._resharded(g, env, a, want),
+                                          self._whole(want)))
             it = iter(outs)
-            emit = spmd.local_output if local else spmd.output
-            g.output(fx.node.map_arg(src.args[0], lambda _: g.call_function(emit, (next(it),))))
+            g.output(fx.node.map_arg(src.args[0], lambda _: next(it)))
             return
         plan_node = specs[src.name]
         if src.target is operator.getitem:
             item = g.call_function(operator.getitem, (env[src.args[0].name], src.args[1]))
-            want = plan_node.input_specs[0]
-            if specs[src.args[0].name].item_spec(src.args[1]) != want:
-                item.name = f"{src.name}_item"
-                item = g.call_function(spmd.reshard, (item, want))
-            item.name = src.name
-            env[src.name] = item
+            want, have = plan_node.input_specs[0], specs[src.args[0].name].item_spec(src.args[1])
+            if src.args[0].name in self.gathered:
+                self.gathered.add(src.name)
+            if have == want:
+                item.name = src.name
+                env[src.name] = item
+                self._made(g, env, src.name, want)
+                return
+            raw = f"{src.name}@item"
+            item.name = f"{src.name}_item"
+            env[raw] = item
+            self._made(g, env, raw, have)
+            env[src.name] = self._reshard(g, env[raw], raw, src.name, have, want)
+            env[src.name].name = src.name
+            self.grads.value(src.name, want)
             return
         counter = iter(range(len(node.inputs)))
+        grads = use_grads([parse_spec(s, self.ndim) for s in plan_node.input_specs],
+                          [parse_spec(s, self.ndim) for s in (plan_node.item_specs or [plan_node.output_spec])])
+        keys = []
 
         def arg(a):
-            return _resharded(g, env, a.name, plan_node.input_specs[next(counter)], specs)
+            i = next(counter)
+            want = plan_node.input_specs[i]
+            key = self._key(a.name, want)
+            keys.append(key)
+            return self._use(g, env, key, self._resharded(g, env, a.name, want), grads[i])
 
         args = fx.node.map_arg(src.args, arg)
         kwargs = fx.node.map_arg(src.kwargs, arg)
-        spec = tuple(plan_node.item_specs) or plan_node.output_spec
+        strategy = plan_node.strategy
+        gathered = any(k in self.gathered for k in keys)
         if src.target in FACTORIES:
             new = g.call_function(spmd.factory, (src.target, *args), kwargs)
         elif src.target in RANDOM_FACTORIES:
             new = g.call_function(spmd.random_factory, (src.name, src.target, *args), kwargs)
         elif src.target in RESHAPES:
             mesh = self.plan.mesh
-            shape = list(local_shape(node.out.shape, parse_spec(spec, mesh.ndim), mesh.shape))
-            new = g.call_function(spmd.reshape, (src.name, src.target, spec, args[0], shape))
+            shape = list(local_shape(node.out.shape, parse_spec(plan_node.output_spec, mesh.ndim), mesh.shape))
+            new = g.call_function(spmd.reshape, (src.name, src.target, args[0], shape))
         elif node.state_update:
-            new = g.call_function(spmd.state_update, (src.name, src.target, spec, *args), kwargs)
+            new = g.call_function(spmd.state_update, (src.name, src.target, strategy, *args), kwargs)
+        elif spmd.runs_as_is(src.target) and "avg" not in plan_node.output_spec and not gathered:
+            new = g.call_function(src.target, tuple(args), kwargs)
         else:
-            new = g.call_function(spmd.op, (src.name, src.target, spec, *args), kwargs)
+            new = g.call_function(spmd.op, (src.name, src.target, strategy, *args), kwargs)
         new.name = src.name
         env[src.name] = new
+        if gathered and _may_alias(src.target):
+            self.gathered.add(src.name)
+        if not plan_node.item_specs and len(node.outputs) <= 1:
+            self._made(g, env, src.name, plan_node.output_spec)
+
+    def _whole(self, spec: str) -> tuple:
+        """The gradient placements of a value returned placed ``spec``: the
+        whole gradient where it is replicated or a partial sum."""
+        return grad_spec(as_sum(parse_spec(spec, self.ndim)), [False] * self.ndim)
+
+    def _key(self, name: str, want: str) -> str:
+        """The key of the value a consumer wanting ``want`` reads: ``name`` itself or its reshard."""
+        return name if self.specs[name].output_spec == want else f"{name}@{want}"
+
+    def _use(self, g: fx.Graph, env: dict, key: str, value: fx.Node, grad: tuple) -> fx.Node:
+        """``value`` for a use whose gradient lands in placements ``grad`` (shared where needed)."""
+        axes = self.grads.use(key, grad)
+        if not axes:
+            return value
+        cached = ("share", key, axes)
+        if cached not in env:
+            env[cached] = g.call_function(spmd.grad_share, (value, axes))
+            env[cached].name = f"{value.name}_shared{''.join(map(str, axes))}"
+        return env[cached]
+
+    def _resharded(self, g: fx.Graph, env: dict, src: str, want: str) -> fx.Node:
+        """``src`` in placements ``want``; consumers wanting the same placement share one reshard."""
+        have = self.specs[src].output_spec
+        if have == want:
+            return env[src]
+        key = self._key(src, want)
+        if key not in env:
+            env[key] = self._reshard(g, env[src], src, key, have, want)
+            env[key].name = f"{src}_{_slug(want)}"
+            self.grads.value(key, want)
+        return env[key]
+
+    def _reshard(self, g: fx.Graph, value: fx.Node, source: str, key: str, have: str, want: str) -> fx.Node:
+        self.grads.reshard(key, source)
+        back = self.grads.back(key, source) if self.grads.solved else ""  # known once solved
+        param = self.graph.nodes.get(source)
+        regather = param is not None and param.kind is NodeKind.PARAM and param.fqn in self.regather
+        if regather or source in self.gathered:
+            self.gathered.add(key)
+        move = f"{_as_sum(have)}->{_as_sum(want)}"
+        args = (value, move, back, True) if regather else (value, move, back)
+        return g.call_function(spmd.reshard, args)
+
+
+def use_grads(inputs: list, outputs: list) -> list:
+    """The placements of the gradient each input of an op gives back, from the
+    op's placements (``inputs``, and ``outputs``: one per output): on an axis
+    where the op splits its work or makes a partial output, a replicated
+    input's local gradient is one summand (``grad_spec``)."""
+    ndim = len(outputs[0])
+    splits = [any(isinstance(s[a], Shard) for s in (*inputs, *outputs)) or isinstance(outputs[0][a], Partial)
+              for a in range(ndim)]
+    return [grad_spec(as_sum(s), splits) for s in inputs]
+
+
+def _as_sum(spec: str) -> str:
+    """A spec with its P(avg)s as the Partial sums they run as (``spmd.op``)."""
+    return spec.replace("P(avg)", "P")
+
+
+def _may_alias(fn) -> bool:
+    """Whether an op's output may share its input's storage (a view), by its schema."""
+    schema = getattr(fn, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
 def _sums_in_output(have: str, want: str) -> bool:
     """A partial sum (a loss over a batch split) returned replicated: ``spmd.output``
     all-reduces it itself, without stalling the step (see there)."""
     return "P" in have and "S" not in have and set(want) == {"R"}
-
-
-def _resharded(g: fx.Graph, env: dict, src: str, want: str, specs: dict) -> fx.Node:
-    """``src`` in placements ``want``; consumers wanting the same placement share one reshard."""
-    have = specs[src].output_spec
-    if have == want:
-        return env[src]
-    key = (src, want)
-    if key not in env:
-        node = g.call_function(spmd.reshard, (env[src], want))
-        node.name = f"{src}_{_slug(want)}"
-        env[key] = node
-    return env[key]
 
 
 def _slug(spec: str) -> str:
@@ -286,7 +471,10 @@ def program_source(gm: fx.GraphModule, plan: Plan) -> str:
 
 
 def load_program(source: str, name: str = "<autopar program>") -> torch.nn.Module:
+    """The program's ``RankProgram``; its source is registered with ``linecache``,
+    so that a traceback through it shows the program's lines."""
     namespace: dict = {"__name__": "autopar_program"}
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     exec(compile(source, name, "exec"), namespace)
     return namespace["RankProgram"]()
 

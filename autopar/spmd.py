@@ -1,16 +1,23 @@
 """The run-time vocabulary of emitted programs.
 
-Every per-rank program autopar writes calls only these functions (plus ATen
-ops). Tensors travel between ops as DTensors over the current DeviceMesh:
+Every per-rank program autopar writes computes on plain local tensors, this
+rank's shards, with ATen ops called as they are, and calls these functions
+where the plan needs more. Codegen knows every value's placements (the
+plan), so the program carries no placement metadata at run time:
 
-* ``reshard`` moves a tensor to the placements its consumer's strategy wants
-  (DTensor redistribute: the all-gather / all-reduce / reduce-scatter /
-  all-to-all the plan lists for that edge, with autograd);
-* ``op`` runs one ATen op on the local shards. The strategy rules only admit
-  placements under which the local op is exact, so no communication happens
-  inside an op; the gradient of an input that was replicated over an axis the
-  op splits comes back Partial (sum), which the preceding reshard's backward
-  reduces.
+* ``reshard(x, "S(0)->R", "P->S(0)")`` moves a value to the placements its
+  consumer's strategy wants (the all-gather / all-reduce / reduce-scatter /
+  all-to-all the plan lists for that edge, DTensor's collectives), and in
+  backward moves its gradient as the second spec says;
+* ``op`` runs an op that needs to know its shard (an embedding over a split
+  vocabulary, a batch norm over a split batch, a random op, a mean loss);
+* the gradient of an input that is replicated over a mesh axis its consumer
+  splits comes back a partial sum over that axis. Where a value has such
+  uses, codegen sums its gradient where the value is made
+  (``grad_allreduce``, or within the ``reshard`` that made it), and a use
+  that gives the whole gradient on every rank passes it on coordinate 0 of
+  the axis only (``grad_share``), so that the uses add up. Parameters leave
+  that sum to ``GradSync`` (DDP's bucketed all-reduces, during backward).
 """
 from __future__ import annotations
 
@@ -75,37 +82,35 @@ def _spec(text: str, ndim: int) -> tuple:
     return parse_spec(text, ndim)
 
 
-def param(local: torch.Tensor, spec: str, regather: bool = False) -> DTensor:
-    """A parameter's local shard as a DTensor; its gradient comes back in ``spec``.
-    The reduction over the mesh axes the parameter is replicated on is left to
-    the step's ``GradSync`` (bucketed all-reduces launched during backward) or,
-    in a pipeline step, to ``GradAccumulation``; without either, and for the
-    axes that shard it (ZeRO's reduce-scatter), it happens here, in backward.
-
-    ``regather`` (ZeRO-3): the full copies ``reshard`` gathers from it are not
-    kept for backward; ops that save them save a note instead, and backward
-    gathers the parameter again (see ``_Regather``)."""
+def param(local: torch.Tensor, spec: str) -> torch.Tensor:
+    """A parameter's local shard, as it is. Its gradient arrives as a partial
+    sum over the mesh axes that replicate it (codegen adds ``grad_share``
+    where a use gives the whole gradient there); the reduction over them is
+    left to the step's ``GradSync`` (bucketed all-reduces launched during
+    backward) or, in a pipeline step, to ``GradAccumulation``; without
+    either it happens here, in backward. The axes that shard it need nothing
+    here: a gather of it (``reshard``) reduce-scatters its gradient back."""
+    if not (torch.is_grad_enabled() and local.requires_grad):
+        return local
     mesh = _mesh()
-    placements = _spec(spec, mesh.ndim)
     acc = getattr(_state, "accumulation", None)
-    sync = getattr(_state, "grad_sync", None) if acc is None and torch.is_grad_enabled() else None
-    axes = () if (acc is None and sync is None) or not local.requires_grad else \
-        tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
-    if torch.is_grad_enabled() and sync is None and getattr(local, "_autopar_sync", None) is not None:
+    sync = getattr(_state, "grad_sync", None) if acc is None else None
+    if sync is None and getattr(local, "_autopar_sync", None) is not None:
         local._autopar_sync = None  # reduced another way now (an earlier step's GradSync no longer)
+    axes = _replicated_axes(_spec(spec, mesh.ndim), mesh)
     if not axes:
-        dt = DTensor.from_local(local, mesh, placements, run_check=False)
-        if regather:
-            dt._autopar_regather = True
-        return dt
+        return local
     if acc is not None:
         acc.pending[local] = axes
-    else:
+        return local
+    if sync is not None:
         sync.add(local, axes)
-    keep = tuple(Partial() if a in axes else p for a, p in enumerate(placements))
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, grad_placements=keep)
-    dt._autopar_deferred = axes
-    return dt
+        return local
+    return grad_allreduce(local, axes)
+
+
+def _replicated_axes(placements, mesh) -> tuple:
+    return tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
 
 
 class GradAccumulation:
@@ -154,7 +159,7 @@ def grad_sync(mesh, bucket_bytes: int | None = DDP_BUCKET_BYTES):
     """Inside this ``with`` block (one forward), the gradients of parameters
     replicated over mesh axes are reduced by one ``GradSync`` during the
     backward that follows; ``bucket_bytes`` None: one blocking all-reduce per
-    parameter in its ``DTensor.from_local``'s backward, as before buckets."""
+    parameter in backward (``grad_allreduce``), as before buckets."""
     return _scoped("grad_sync", GradSync(mesh, bucket_bytes) if bucket_bytes else None)
 
 
@@ -164,7 +169,7 @@ class GradSync:
     (``param``) are put in buckets of about ``bucket_bytes``, in reverse order
     of first use (the order backward makes their gradients), one mesh-axis
     group and dtype per bucket. Backward leaves each gradient a local partial
-    sum (``GradAccumulation``'s deferred placements); when every gradient of
+    sum (see ``param``); when every gradient of
     a bucket has been accumulated, the bucket is flattened and all-reduced
     asynchronously while backward goes on, and at the end of backward (an
     autograd engine callback) every bucket is waited on and written back to
@@ -274,66 +279,183 @@ def _accumulated(local):
         sync.accumulated(local)
 
 
-class _DeferredReshard(torch.autograd.Function):
-    """``reshard`` of a parameter whose gradient reduction is deferred
-    (``GradAccumulation``): the gradient goes back to the parameter's
-    placements except that it stays a Partial sum on the deferred axes."""
+# --- moving values between placements, with autograd ----------------------
+
+@functools.lru_cache(maxsize=None)
+def _move(text: str, ndim: int) -> tuple:
+    """'S(0)R->RR' -> ((Shard(0), Replicate()), (Replicate(), Replicate()))."""
+    src, _, dst = text.partition("->")
+    return parse_spec(src.strip(), ndim), parse_spec(dst.strip(), ndim)
+
+
+def _off_first(mesh, axes) -> bool:
+    """Whether this rank is off coordinate 0 on any of mesh ``axes``."""
+    coord = mesh.get_coordinate()
+    return any(coord[a] != 0 for a in axes)
+
+
+def _redistribute(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> torch.Tensor:
+    """This rank's piece of a value placed ``src`` when it is placed ``dst``
+    (DTensor's collectives for the change). A Partial (sum) made from a value
+    that was not one keeps the value on coordinate 0 of that axis and zeros
+    elsewhere (DTensor makes Partials only inside its own ops)."""
+    if src == dst:
+        return local
+    zero = [a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(d, Partial) and not isinstance(s, Partial)]
+    via = tuple(Replicate() if a in zero else d for a, d in enumerate(dst))
+    local, src = _slice(local, mesh, src, via)
+    if via != src:
+        dt = DTensor.from_local(local, mesh, src, run_check=False)
+        local = _waited(dt.redistribute(mesh, via).to_local())
+    if zero and _off_first(mesh, zero):
+        local = torch.zeros_like(local)
+    return local
+
+
+def _slice(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> tuple:
+    """The R -> S(d) steps of a move done here, as views of ``local`` (no
+    communication), where they give DTensor's pieces: a dim split over
+    several axes is cut with the first axis outermost, so a step is taken
+    only where every other axis that splits the dim comes first and keeps
+    it. Returns the local value and its placements after them."""
+    coord = mesh.get_coordinate()
+    if any(type(c) is not int for c in coord):  # simulated ranks (LocalTensorMode): DTensor's own split
+        return local, src
+    src = list(src)
+    for a, (s, d) in enumerate(zip(src, dst)):
+        if isinstance(s, Replicate) and isinstance(d, Shard) and all(
+                b < a and dst[b] == p for b, p in enumerate(src) if isinstance(p, Shard) and p.dim == d.dim):
+            local = local.chunk(mesh.size(a), dim=d.dim)[coord[a]]
+            src[a] = d
+    return local, tuple(src)
+
+
+class _Reshard(torch.autograd.Function):
+    """``_redistribute`` forward (``fwd``: src, dst), and its gradient from
+    where it arrives to where the source's gradient is wanted (``bwd``)."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, want: tuple, axes: tuple):
-        ctx.src, ctx.axes = x.placements, axes
-        return x.redistribute(x.device_mesh, want)
+    def forward(ctx, x, mesh, fwd, bwd):
+        ctx.mesh, ctx.bwd = mesh, bwd
+        return _redistribute(x, mesh, *fwd)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
-        target = tuple(Partial() if a in ctx.axes and isinstance(grad.placements[a], Partial) else p
-                       for a, p in enumerate(ctx.src))
-        return grad.redistribute(grad.device_mesh, target), None, None
+    def backward(ctx, grad):
+        return _redistribute(grad, ctx.mesh, *ctx.bwd), None, None, None
 
 
-def replicate(t: torch.Tensor) -> DTensor:
+def reshard(x: torch.Tensor, fwd: str, bwd: str, regather: bool = False) -> torch.Tensor:
+    """Move ``x`` between placements, ``fwd`` = "<from>-><to>": the
+    collective(s) the plan lists for this edge; in backward, its gradient
+    moves as ``bwd`` says (from how it arrives, a partial sum where the
+    consumers' are, to how the source's other uses give theirs: "P->S(0)"
+    is a reduce-scatter). ``regather`` (ZeRO-3): ``x`` is a parameter's
+    shard whose gathered copy is not kept for backward (``_Regather``)."""
     mesh = _mesh()
-    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    move, back = _move(fwd, mesh.ndim), _move(bwd, mesh.ndim)
+    if x.requires_grad and torch.is_grad_enabled():
+        out = _Reshard.apply(x, mesh, move, back)
+    else:
+        out = _redistribute(x, mesh, *move)
+    if regather and not getattr(_state, "in_checkpoint", False):
+        _regather.add(x, out, mesh, move)
+    return out
 
 
-def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = False) -> DTensor:
-    """A user input: the full global batch (sliced here, no communication), or
-    with ``local_input`` this rank's own shard (e.g. from a DistributedSampler)."""
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes):
+        ctx.mesh, ctx.axes = mesh, axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.mesh, ctx.axes), None, None
+
+
+def grad_allreduce(x: torch.Tensor, axes: tuple) -> torch.Tensor:
+    """``x`` itself; in backward its gradient, a partial sum over mesh
+    ``axes`` (consumers that split their work there), is all-reduced over
+    them (Megatron-LM's "f": identity forward, all-reduce backward)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x
+    return _SumGrad.apply(x, _mesh(), axes)
+
+
+class _ShareGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axes):
+        ctx.off = _off_first(mesh, axes)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (torch.zeros_like(grad) if ctx.off else grad), None, None
+
+
+def grad_share(x: torch.Tensor, axes: tuple) -> torch.Tensor:
+    """``x`` itself, for a use that gives the whole gradient on every rank of
+    mesh ``axes`` where the value's other uses give partial sums: in
+    backward coordinate 0 of those axes keeps it and the others pass zeros,
+    so that it adds up with theirs (the sum is all-reduced where ``x`` is
+    made)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x
+    return _ShareGrad.apply(x, _mesh(), axes)
+
+
+def _all_reduce(t: torch.Tensor, mesh, axes) -> torch.Tensor:
+    """Sum ``t`` in place over mesh ``axes`` (one group for all of them where one exists)."""
+    if len(axes) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
+        torch.distributed.all_reduce(t)
+        return t
+    for a in axes:
+        torch.distributed.all_reduce(t, group=mesh.get_group(a))
+    return t
+
+
+class _SumOver(torch.autograd.Function):
+    """Sum over mesh axes (an all-reduce); each rank's input is a summand, so
+    its gradient is the sum's gradient summed over the ranks that read it."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, axes):
+        ctx.mesh, ctx.axes = mesh, axes
+        return _all_reduce(t.clone(), mesh, axes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.mesh, ctx.axes), None, None
+
+
+def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
+    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd."""
+    return _SumOver.apply(t, mesh, tuple(axes))
+
+
+def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = False) -> torch.Tensor:
+    """A user input: this rank's piece of the full global batch (a slice, no
+    communication), or with ``local_input`` this rank's own shard as given
+    (e.g. from a DistributedSampler)."""
     mesh = _mesh()
     placements = _spec(spec, mesh.ndim)
     if local_input:
-        dt = DTensor.from_local(t, mesh, placements, run_check=False)
-        if list(dt.shape) != list(shape):
+        full = [n * math.prod(mesh.size(a) for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d)
+                for d, n in enumerate(t.shape)]
+        if full != list(shape):
             raise ShardingError(
                 f"local input of shape {list(t.shape)} with placements {spec} makes a global shape "
-                f"{list(dt.shape)}, but the plan was compiled for {list(shape)}"
-            )
-        return dt
+                f"{full}, but the plan was compiled for {list(shape)}")
+        return t
     if list(t.shape) != list(shape):
         raise ShardingError(
             f"input of shape {list(t.shape)} does not match the plan, compiled for {list(shape)}; "
-            "autopar plans static shapes: recompile for this shape (the decorator form does so itself)"
-        )
-    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, placements)
-
-
-def reshard(x: DTensor, spec: str) -> DTensor:
-    """Move ``x`` to the placements ``spec``: the collective(s) the plan lists for this edge."""
-    mesh = _mesh()
-    want = _spec(spec, mesh.ndim)
-    to_partial = [isinstance(b, Partial) and a != b for a, b in zip(x.placements, want)]
-    deferred = getattr(x, "_autopar_deferred", None)
-    if deferred and not any(to_partial):
-        return x if tuple(want) == tuple(x.placements) else _DeferredReshard.apply(x, want, deferred)
-    if not any(to_partial):
-        out = x.redistribute(mesh, want)
-        if getattr(x, "_autopar_regather", False) and not getattr(_state, "in_checkpoint", False):
-            _regather.add(x, out)
-        return out
-    # DTensor redistributes to Partial only internally: go through Replicate, then
-    # keep the value on one rank of each such axis (zeros elsewhere).
-    via = tuple(Replicate() if tp else b for tp, b in zip(to_partial, want))
-    return _ToPartial.apply(x.redistribute(mesh, via), want)
+            "autopar plans static shapes: recompile for this shape (the decorator form does so itself)")
+    whole = (Replicate(),) * mesh.ndim
+    if t.requires_grad and torch.is_grad_enabled():
+        grads = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+        return _Reshard.apply(t, mesh, (whole, placements), (grads, whole))
+    return _redistribute(t, mesh, whole, placements)
 
 
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
@@ -347,12 +469,11 @@ class _Regather:
     Rajbhandari et al. 2020, sec. 5.3)."""
 
     def __init__(self):
-        self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard DTensor, placements)
+        self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard, mesh, move)
 
-    def add(self, source: DTensor, gathered: DTensor) -> None:
-        local = gathered._local_tensor = _waited(gathered._local_tensor)
+    def add(self, source: torch.Tensor, gathered: torch.Tensor, mesh, move) -> None:
         self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
-        self.live[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, gathered.placements)
+        self.live[gathered.untyped_storage().data_ptr()] = (weakref.ref(gathered), source, mesh, move)
 
     def _entry(self, t: torch.Tensor):
         if not self.live or type(t) is not torch.Tensor:
@@ -369,22 +490,23 @@ class _Regather:
         entry = self._entry(t)
         if entry is None:
             return t
-        _, source, placements = entry
-        return _Note(source, placements, t.size(), t.stride(), t.storage_offset())
+        _, source, mesh, move = entry
+        return _Note(source, mesh, move, t.size(), t.stride(), t.storage_offset())
 
     @staticmethod
     def unpack(saved):
         if not isinstance(saved, _Note):
             return saved
         with torch.no_grad():
-            full = _waited(saved.source.redistribute(saved.source.device_mesh, saved.placements).to_local())
+            full = _redistribute(saved.source.detach(), saved.mesh, *saved.move)
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
 @dataclass(frozen=True)
 class _Note:
-    source: DTensor
-    placements: tuple
+    source: torch.Tensor
+    mesh: object
+    move: tuple
     size: torch.Size
     stride: tuple
     offset: int
@@ -398,124 +520,84 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 _regather = _Regather()
 
 
-class _ToPartial(torch.autograd.Function):
-    """Replicate -> Partial(sum) on some axes: rank 0 of the axis keeps the value.
-    The gradient of a partial sum is the full gradient on every rank."""
+# --- ops on local shards ---------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, x: DTensor, want: tuple):
-        mesh = x.device_mesh
-        ctx.src = x.placements
-        local = x.to_local()
-        coord = mesh.get_coordinate()
-        for axis, (a, b) in enumerate(zip(x.placements, want)):
-            if isinstance(b, Partial) and not isinstance(a, Partial) and coord[axis] != 0:
-                local = torch.zeros_like(local)
-        return DTensor.from_local(local, mesh, want, run_check=False)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):
-        target = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src)
-        return grad.redistribute(grad.device_mesh, target), None
+@dataclass(frozen=True)
+class OpStrategy:
+    """An op's planned placements, as the emitted program spells them:
+    "(S(0), R, R) -> S(0)", or "(...) -> (S(0), S(1))" for outputs placed
+    apart. ``avg``: the mesh axes where the output is a P(avg), which runs
+    as a Partial sum of local means over the axis size."""
+    inputs: tuple
+    output: tuple
+    items: tuple
+    avg: tuple
 
 
-def _grad_placements(placements, splits) -> tuple:
-    """Where the gradient of an op input lands (see cost_models.resharding.grad_spec):
-    ``splits[a]`` is true where the op splits its work over axis a or makes a
-    Partial output (then a replicated input's local gradient is one summand)."""
-    out = []
-    for p, split in zip(placements, splits):
-        if isinstance(p, Partial):
-            out.append(Replicate())
-        elif isinstance(p, Replicate) and split:
-            out.append(Partial())
-        else:
-            out.append(p)
-    return tuple(out)
+@functools.lru_cache(maxsize=None)
+def _strategy(text: str, ndim: int) -> OpStrategy:
+    ins, _, out = text.partition("->")
+    inputs = tuple(parse_spec(s.strip(), ndim) for s in ins.strip()[1:-1].split(",") if s.strip())
+    out = out.strip()
+    items = tuple(parse_spec(s.strip(), ndim) for s in out[1:-1].split(",")) if out.startswith("(") else ()
+    output = items[0] if items else parse_spec(out, ndim)
+    avg = tuple(a for a, p in enumerate(output) if isinstance(p, Partial) and p.reduce_op == "avg")
+    return OpStrategy(inputs, output, items, avg)
 
 
-def _unwrap(args, kwargs, out_spec: tuple, items: tuple = ()):
-    """Local tensors of the DTensor arguments, with their gradient placements."""
-    dts = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, (list, tuple)):
-            dts.extend(a for a in v if isinstance(a, DTensor))
-    splits = [any(isinstance(p, Shard) for p in (*(d.placements[a] for d in dts), out_spec[a], *(i[a] for i in items)))
-              or isinstance(out_spec[a], Partial) for a in range(len(out_spec))]
-
-    def un(a):
-        if isinstance(a, DTensor):
-            return a.to_local(grad_placements=_grad_placements(a.placements, splits))
-        if isinstance(a, (list, tuple)):
-            return type(a)(un(x) for x in a)
-        return a
-
-    return [un(a) for a in args], {k: un(v) for k, v in kwargs.items()}
-
-
-def _wrap(out, spec: tuple, items: tuple = ()):
-    """The local result as DTensors placed ``spec``, or its k-th output ``items[k]``."""
+def op(node: str, fn, strategy: str, *args, **kwargs):
+    """Run one op on the local shards, where it needs to know its shard (a
+    local implementation in ``LOCAL_IMPLS``), makes a P(avg), or may save a
+    regathered parameter (ZeRO-3); other ops are plain calls in the emitted
+    program. ``strategy``: its planned placements (``OpStrategy``)."""
     mesh = _mesh()
-    if isinstance(out, torch.Tensor):
-        return DTensor.from_local(out, mesh, spec, run_check=False)
-    if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o, items[k] if items else spec) for k, o in enumerate(out))
+    st = _strategy(strategy, mesh.ndim)
+    hooks = contextlib.nullcontext()
+    if _regather.involved((*args, *kwargs.values())):
+        hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
+    _state.node = node
+    try:
+        with hooks:
+            out = _local_impl(fn)(fn, mesh, st, args, kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
+        raise RuntimeError(f"autopar: node {node} ({fn}) failed with placements {strategy}: {e}") from e
+    if st.avg:  # a mean over a dim split n ways is the local mean / n, summed over ranks
+        out = out / math.prod(mesh.size(a) for a in st.avg)
     return out
 
 
-def op(node: str, fn, spec: str | tuple, *args, **kwargs):
-    """Run one op on the local shards; its output has the planned placements
-    ``spec``, or output k ``spec[k]`` where its outputs are placed differently."""
-    mesh = _mesh()
-    items = tuple(_spec(s, mesh.ndim) for s in spec) if isinstance(spec, tuple) else ()
-    out_spec = items[0] if items else _spec(spec, mesh.ndim)
-    largs, lkwargs = _unwrap(args, kwargs, out_spec, items)
-    hooks = contextlib.nullcontext()
-    if _regather.involved((*largs, *lkwargs.values())):
-        hooks = torch.autograd.graph.saved_tensors_hooks(_regather.pack, _regather.unpack)
-    try:
-        with hooks, _scoped("node", node):
-            out = _local_impl(fn)(fn, mesh, out_spec, largs, lkwargs, args)
-    except (RuntimeError, TypeError, ValueError, IndexError) as e:  # not checkpoint's control flow
-        placements = [fmt_spec(a.placements) for a in args if isinstance(a, DTensor)]
-        raise RuntimeError(f"autopar: node {node} ({fn}) failed on inputs placed {placements}: {e}") from e
-    # A mean over a dim split n ways is the local mean / n, summed over ranks.
-    avg = [a for a, p in enumerate(out_spec) if isinstance(p, Partial) and p.reduce_op == "avg"]
-    if avg:
-        out = out / math.prod(mesh.size(a) for a in avg)
-        out_spec = tuple(Partial() if a in avg else p for a, p in enumerate(out_spec))
-    return _wrap(out, out_spec, items)
-
-
-def reshape(node: str, fn, spec: str, x: DTensor, local_shape: list, *rest):
-    """A view/reshape/expand: the same op on the local shard, to the local shape."""
-    mesh = _mesh()
-    out_spec = _spec(spec, mesh.ndim)
-    (lx,), _ = _unwrap((x,), {}, out_spec)
+def reshape(node: str, fn, x: torch.Tensor, local_shape: list, *rest):
+    """A view/reshape/expand whose arguments name the global shape: the same
+    op on the local shard, to the planned local shape."""
     if fn is torch.ops.aten.expand.default:
-        out = lx.expand(local_shape)
-    else:
-        out = lx.reshape(local_shape)
-    return _wrap(out, out_spec)
+        return x.expand(local_shape)
+    return x.reshape(local_shape)
 
 
 def checkpoint(layer, *args):
     """Run a layer keeping only its inputs; its forward (with its collectives,
-    identically on every rank) runs again during backward."""
+    identically on every rank) runs again during backward. Inputs without a
+    gradient (buffers that the layer may update in place, integer tensors)
+    are not checkpoint's inputs, which it would check for in-place changes:
+    the recomputation reads them as they are."""
     mesh = _mesh()
     step_seed = getattr(_state, "step_seed", None)
     calls = []
+    tracked = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def run(*inputs):
         # the recomputation runs in backward, outside the forward's context:
         # it gets the forward's mesh and step seed back (the same random
         # draws); a recomputed layer gathers its parameters again anyway (no _Regather)
         calls.append(None)
+        full = list(args)
+        for i, x in zip(tracked, inputs):
+            full[i] = x
         with _scoped("in_checkpoint", True), _scoped("recomputing", len(calls) > 1), use_mesh(mesh), \
                 _scoped("step_seed", step_seed):
-            return layer(*inputs)
+            return layer(*full)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(run, *(args[i] for i in tracked), use_reentrant=False)
 
 
 def _recomputing() -> bool:
@@ -523,13 +605,13 @@ def _recomputing() -> bool:
     return bool(getattr(_state, "recomputing", False))
 
 
-def state_update(node: str, fn, spec: str, *args, **kwargs):
+def state_update(node: str, fn, strategy: str, *args, **kwargs):
     """An in-place op on a buffer (a step counter, an EMA, batch norm's count): run
     once per step, not again when its layer is recomputed (the buffer holds
     what the forward left, which is what the op returns)."""
     if _recomputing():
         return args[0]
-    return op(node, fn, spec, *args, **kwargs)
+    return op(node, fn, strategy, *args, **kwargs)
 
 
 def factory(fn, *args, **kwargs):
@@ -539,7 +621,7 @@ def factory(fn, *args, **kwargs):
     if "device" in kwargs:
         kwargs["device"] = torch.device(mesh.device_type, torch.cuda.current_device()) \
             if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    return DTensor.from_local(fn(*args, **kwargs), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return fn(*args, **kwargs)
 
 
 def random_factory(node: str, fn, *args, **kwargs):
@@ -547,31 +629,35 @@ def random_factory(node: str, fn, *args, **kwargs):
     every rank draws the same values, from the step's seed and the node's
     name (``_per_shard_rng``), whatever its own generator holds."""
     mesh = _mesh()
-    with _scoped("node", node):
-        return _per_shard_rng(_factory_impl)(fn, mesh, (Replicate(),) * mesh.ndim, args, kwargs, args)
+    _state.node = node
+    whole = (Replicate(),) * mesh.ndim
+    return _per_shard_rng(_factory_impl)(fn, mesh, OpStrategy((), whole, (), ()), args, kwargs)
 
 
-def _factory_impl(fn, mesh, out_spec, args, kwargs, dargs):
+def _factory_impl(fn, mesh, st, args, kwargs):
     return factory(fn, *args, **kwargs)
 
 
-def output(x):
-    """A program output: the full (global) value on every rank.
+def output(x: torch.Tensor, spec: str) -> torch.Tensor:
+    """A program output that is a partial sum (a loss over a split batch),
+    returned whole on every rank.
 
-    A partial sum (the loss of a batch split) returned from a forward whose
-    backward follows (a ``GradSync`` step) is summed by an all-reduce that is
-    not waited for here: the value waits for it when first read (``.item()``,
-    printing, arithmetic), or at the end of backward, which needs only its
-    shape. So reporting the loss does not stall every rank mid-step."""
-    if isinstance(x, DTensor):
-        mesh = _mesh()
-        sync = getattr(_state, "grad_sync", None)
-        group = _sum_group(mesh, x.placements) if sync is not None and torch.is_grad_enabled() else None
-        if group is not None:
-            grads = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
-            return _SumLater.apply(x.to_local(grad_placements=grads), group, sync)
-        return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-    return x
+    Returned from a forward whose backward follows (a ``GradSync`` step) it
+    is summed by an all-reduce that is not waited for here: the value waits
+    for it when first read (``.item()``, printing, arithmetic), or at the end
+    of backward, which needs only its shape. So reporting the loss does not
+    stall every rank mid-step."""
+    mesh = _mesh()
+    placements = _spec(spec, mesh.ndim)
+    sync = getattr(_state, "grad_sync", None)
+    group = _sum_group(mesh, placements) if sync is not None and torch.is_grad_enabled() else None
+    if group is not None:
+        return _SumLater.apply(x, group, sync)
+    whole = (Replicate(),) * mesh.ndim
+    grads = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Reshard.apply(x, mesh, (placements, whole), (whole, grads))
+    return _redistribute(x, mesh, placements, whole)
 
 
 def _sum_group(mesh, placements):
@@ -634,33 +720,20 @@ class _Pending(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def local_output(x):
-    """A program output kept as this rank's shard (what a pipeline stage sends
-    its peer in the next stage, which receives it in the same placements)."""
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 # --- local implementations that need to know their shard -----------------
 
-def _plain(fn, mesh, out_spec, args, kwargs, dargs):
+def _plain(fn, mesh, st, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
-    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd (an
-    all-reduce forward; the gradient, a partial sum on each rank, is
-    all-reduced back)."""
-    placements = [Partial() if a in axes else Replicate() for a in range(mesh.ndim)]
-    dt = DTensor.from_local(t, mesh, placements, run_check=False)
-    return dt.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=placements)
-
-
-def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
+def _mean_loss(fn, mesh, st, args, kwargs):
     """cross_entropy / nll_loss with a mean over a batch split: this rank's loss
     sum over the global count of targets that are not ignore_index, so the
     Partial sum over ranks is the single-device mean. The count is all-reduced
     (a 4-byte all-reduce on the split axes, inside the op)."""
-    partial = [a for a, p in enumerate(out_spec) if isinstance(p, Partial)]
+    partial = [a for a, p in enumerate(st.output) if isinstance(p, Partial)]
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
     if not partial or reduction != 1:
         return fn(*args, **kwargs)
@@ -677,7 +750,7 @@ def _mean_loss(fn, mesh, out_spec, args, kwargs, dargs):
     return total / count
 
 
-def _affine_grid(fn, mesh, out_spec, args, kwargs, dargs):
+def _affine_grid(fn, mesh, st, args, kwargs):
     """F.affine_grid's ``size`` names the batch: this rank's share of it."""
     theta, size, *rest = args
     return fn(theta, [theta.shape[0], *size[1:]], *rest, **kwargs)
@@ -696,13 +769,13 @@ def _shard_index(mesh, placements, dim: int | None = None) -> tuple[int, int]:
     return index, count
 
 
-def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
+def _embedding(fn, mesh, st, args, kwargs):
     """Lookup in this rank's rows of the table: ids outside them give zeros, so
     over a vocabulary split the result is a Partial (sum). The padding id's
     lookups pass no gradient, whichever rank holds its row (the local call
     gets no padding_idx: the global one would name another row of a shard)."""
     w, idx, *rest = args
-    index, count = _shard_index(mesh, dargs[0].placements, 0)
+    index, count = _shard_index(mesh, st.inputs[0], 0)
     if count == 1:
         return fn(w, idx, *rest, **kwargs)
     padding = rest[0] if rest else kwargs.get("padding_idx", -1)
@@ -714,7 +787,7 @@ def _embedding(fn, mesh, out_spec, args, kwargs, dargs):
     return torch.where((idx == padding).unsqueeze(-1), out.detach(), out) if padding >= 0 else out
 
 
-def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
+def _batch_norm(fn, mesh, st, args, kwargs):
     """Training-mode batch norm on split inputs.
 
     The batch (or a spatial dim) split: synchronised statistics (as
@@ -732,16 +805,16 @@ def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
     a = dict(zip(names, args))
     a.update({k: v for k, v in kwargs.items() if k in names})
     x, running = a["input"], (a.get("running_mean"), a.get("running_var"))
-    placements = dargs[0].placements
+    placements = st.inputs[0]
     split = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim != 1})
     channels = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 1})
     tracked = a.get("training") and running[0] is not None
     if not a.get("training") or not (split or (tracked and (channels or _recomputing()))):
         return fn(*args, **kwargs)
-    stats_placements = [Shard(0) if axis in channels else Replicate() for axis in range(mesh.ndim)]
+    stats_placements = tuple(Shard(0) if axis in channels else Replicate() for axis in range(mesh.ndim))
     if tracked:  # this rank's channels of the running statistics, as a copy
-        old = [DTensor.from_local(r, mesh, [Replicate()] * mesh.ndim, run_check=False)
-               .redistribute(mesh, stats_placements).to_local().clone() for r in running]
+        whole = (Replicate(),) * mesh.ndim
+        old = [_redistribute(r, mesh, whole, stats_placements).clone() for r in running]
     if split:
         dims = [d for d in range(x.ndim) if d != 1]
         count = math.prod(x.shape[d] for d in dims) * math.prod(mesh.size(axis) for axis in split)
@@ -767,13 +840,13 @@ def _batch_norm(fn, mesh, out_spec, args, kwargs, dargs):
     if tracked and not _recomputing():
         with torch.no_grad():
             for buffer, mine in zip(running, new):
-                full = DTensor.from_local(mine, mesh, stats_placements, run_check=False).full_tensor() \
+                full = _redistribute(mine, mesh, stats_placements, (Replicate(),) * mesh.ndim) \
                     if channels else mine
                 buffer.copy_(full.to(buffer.dtype))
     return out
 
 
-def _grouped_mm(fn, mesh, out_spec, args, kwargs, dargs):
+def _grouped_mm(fn, mesh, st, args, kwargs):
     """A grouped matmul (passes/rules/experts.py) with its experts or its
     sorted tokens split: this rank's experts' rows among this rank's rows.
 
@@ -791,8 +864,8 @@ def _grouped_mm(fn, mesh, out_spec, args, kwargs, dargs):
     x, w, *rest = args
     kwargs = dict(kwargs)
     offs = rest.pop(0) if rest else kwargs.pop("offs", None)
-    row, rows = _shard_index(mesh, dargs[0].placements, 0)
-    expert, experts = _shard_index(mesh, dargs[1].placements, 0)
+    row, rows = _shard_index(mesh, st.inputs[0], 0)
+    expert, experts = _shard_index(mesh, st.inputs[1], 0)
     if offs is None or (rows == 1 and experts == 1):  # a batched (3-D) one splits as a bmm
         return fn(x, w, offs, *rest, **kwargs)
     n, e = x.shape[0], w.shape[0]
@@ -846,10 +919,10 @@ def _per_shard_rng(impl):
     replicas alike, and a recomputed layer (checkpoint keeps the step's seed)
     draws what its forward drew. Statistically one device's independent
     draws, not its bit pattern."""
-    def run(fn, mesh, out_spec, args, kwargs, dargs):
+    def run(fn, mesh, st, args, kwargs):
         if not _draws(fn, args, kwargs):
-            return impl(fn, mesh, out_spec, args, kwargs, dargs)
-        index, _ = _shard_index(mesh, out_spec)
+            return impl(fn, mesh, st, args, kwargs)
+        index, _ = _shard_index(mesh, st.output)
         step = getattr(_state, "step_seed", None)
         seed = step.get(mesh) if step is not None else int(torch.randint(0, 2**62, (1,)))
         node = zlib.crc32(str(getattr(_state, "node", "")).encode())
@@ -860,7 +933,7 @@ def _per_shard_rng(impl):
                 torch.cuda.manual_seed(op_seed)  # this device's generator only
             else:
                 torch.random.default_generator.manual_seed(op_seed)
-            return impl(fn, mesh, out_spec, args, kwargs, dargs)
+            return impl(fn, mesh, st, args, kwargs)
     return run
 
 
@@ -898,6 +971,12 @@ LOCAL_IMPLS = {
     "transformers.grouped_mm_fallback.default": _grouped_mm,  # a library's op, by name (passes/rules/experts.py)
 }
 LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})
+
+
+def runs_as_is(fn) -> bool:
+    """Whether op ``fn`` runs on local shards exactly as on whole tensors (no
+    local implementation): the emitted program calls it directly."""
+    return _local_impl(fn) is _plain
 
 
 def _local_impl(fn):
