@@ -11,6 +11,7 @@ this source, and ``autopar codegen`` writes it next to a torchrun entry point.
 from __future__ import annotations
 
 import linecache
+import math
 import operator
 import os
 import textwrap
@@ -124,6 +125,7 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
     region_of = {name: i for i, names in enumerate(regions) for name in names}
     root = torch.nn.Module()
     main, env = fx.Graph(), {}
+    emit.main = main
     consumers = graph.consumers()
     done = set()
     for src in graph.gm.graph.nodes:
@@ -178,6 +180,9 @@ class _Gradients:
         self.uses: dict = {}  # key -> the gradient placements of each use
         self.reshards: dict = {}  # reshard key -> its source's key, in program order
         self.partial: dict = {}
+        self.gathers: list = []  # (key, source, move, gathered bytes, (axis, dtype, regather)) in program order
+        self.buckets: list = []  # per bucket: its members (key, source, move)
+        self.bucket_of: dict = {}
         self.solved = False
 
     def value(self, key: str, spec: str, param: bool = False) -> None:
@@ -195,6 +200,36 @@ class _Gradients:
     def reshard(self, key: str, source: str) -> None:
         self.reshards.setdefault(key, source)
 
+    def gather(self, key: str, source: str, move: str, nbytes: int, group: tuple) -> None:
+        """A parameter's gather over one mesh axis (S(d) -> R there), a candidate for a bucket;
+        ``group``: (axis, dtype, the module that holds it where it is regathered, else None)."""
+        if not self.solved and all(k != key for k, *_ in self.gathers):
+            self.gathers.append((key, source, move, nbytes, group))
+
+    def _buckets(self) -> None:
+        """Consecutive gathers over the same axis (same dtype, ZeRO stage) into
+        buckets of up to ``spmd.DDP_BUCKET_BYTES`` gathered, where the
+        gradient comes back as the bucket's reduce-scatter would give it: a
+        partial sum over the axis, placed as the shard elsewhere. A ZeRO-2
+        copy lives until backward wherever it is gathered; a ZeRO-3 one is
+        freed after its last use, so regathered parameters share a bucket
+        only with those of the same module (FSDP2 shards per module too)."""
+        open_: dict = {}
+        for key, source, move, nbytes, group in self.gathers:
+            axis = group[0]
+            back, shard = self.arriving(key), self.arriving(source)
+            if not isinstance(back[axis], Partial) or any(b != p for a, (b, p) in enumerate(zip(back, shard))
+                                                          if a != axis):
+                continue
+            bucket = open_.get(group)
+            if bucket is None or bucket[1] + nbytes > spmd.DDP_BUCKET_BYTES:
+                bucket = open_[group] = [[], 0]
+                self.buckets.append(bucket[0])
+            bucket[0].append((key, source, move))
+            bucket[1] += nbytes
+        self.buckets = [b for b in self.buckets if len(b) > 1]
+        self.bucket_of = {key: i for i, b in enumerate(self.buckets) for key, _, _ in b}
+
     def solve(self) -> None:
         for key, source in reversed(self.reshards.items()):  # a reshard's uses before its source's
             self.partial[key] = self._axes(key)
@@ -204,6 +239,7 @@ class _Gradients:
         for key in self.spec:
             if key not in self.partial:
                 self.partial[key] = self._axes(key)
+        self._buckets()
         self.solved = True
 
     def _axes(self, key: str) -> tuple:
@@ -252,6 +288,7 @@ class _Emitter:
         self.ndim = plan.mesh.ndim
         self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
         self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
+        self.main: fx.Graph | None = None  # the program's own graph (not a recomputed layer's)
 
     def _made(self, g: fx.Graph, env: dict, name: str, spec: str, param: bool = False) -> None:
         """Value ``name`` (in ``env``) is made here: the sum of its partial gradients, if any."""
@@ -380,11 +417,43 @@ class _Emitter:
         if have == want:
             return env[src]
         key = self._key(src, want)
+        if g is self.main:
+            self._gather_candidate(src, key, have, want)
+            bucket = self.grads.bucket_of.get(key)
+            if bucket is not None and ("bucket", bucket) not in env:
+                self._gather_bucket(g, env, bucket)
         if key not in env:
             env[key] = self._reshard(g, env[src], src, key, have, want)
             env[key].name = f"{src}_{_slug(want)}"
             self.grads.value(key, want)
         return env[key]
+
+    def _gather_candidate(self, src: str, key: str, have: str, want: str) -> None:
+        node = self.graph.nodes[src]
+        if node.kind is not NodeKind.PARAM:
+            return
+        a, b = parse_spec(have, self.ndim), parse_spec(want, self.ndim)
+        changed = [i for i in range(self.ndim) if a[i] != b[i]]
+        if len(changed) != 1 or not isinstance(a[changed[0]], Shard) or not isinstance(b[changed[0]], Replicate):
+            return
+        nbytes = math.prod(node.out.shape) * node.out.dtype.itemsize
+        group = (changed[0], node.out.dtype, node.fqn.rpartition(".")[0] if node.fqn in self.regather else None)
+        self.grads.gather(key, src, f"{_as_sum(have)}->{_as_sum(want)}", nbytes, group)
+
+    def _gather_bucket(self, g: fx.Graph, env: dict, bucket: int) -> None:
+        """One all-gather for the parameters of ``bucket``, where its first is first used."""
+        members = self.grads.buckets[bucket]
+        regather = self.graph.nodes[members[0][1]].fqn in self.regather  # a bucket is one ZeRO stage
+        args = (tuple(env[src] for _, src, _ in members), tuple(move for _, _, move in members))
+        call = g.call_function(spmd.gather_params, (*args, True) if regather else args)
+        call.name = f"gathered_{bucket}"
+        env[("bucket", bucket)] = call
+        for i, (key, src, move) in enumerate(members):
+            env[key] = g.call_function(operator.getitem, (call, i))
+            env[key].name = f"{src}_{_slug(move.split('->')[1])}"
+            self.grads.value(key, move.split("->")[1])
+            if regather:
+                self.gathered.add(key)
 
     def _reshard(self, g: fx.Graph, value: fx.Node, source: str, key: str, have: str, want: str) -> fx.Node:
         self.grads.reshard(key, source)

@@ -458,6 +458,67 @@ def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = Fal
     return _redistribute(t, mesh, whole, placements)
 
 
+# --- parameters gathered in buckets (ZeRO) ----------------------------------------
+
+def gather_params(shards: tuple, moves: tuple, regather: bool = False) -> tuple:
+    """Parameters held sharded over one mesh axis, gathered whole over it
+    with one all-gather for the bucket (``moves[k]``: shard k's
+    "<from>-><to>", differing on that axis only, S(d) -> R); in backward
+    their gradients, partial sums over the axis, are reduce-scattered back
+    into the shards with one reduce-scatter for the bucket, once the last of
+    them is ready (FSDP2 groups its parameters per module the same way).
+    ``regather`` (ZeRO-3): the gathered copies are not kept for backward
+    (``_Regather``)."""
+    mesh = _mesh()
+    placed = tuple(_move(m, mesh.ndim) for m in moves)
+    axis = next(a for a, (s, d) in enumerate(zip(*placed[0])) if s != d)
+    dims = tuple(src[axis].dim for src, _ in placed)
+    if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+        out = _GatherBucket.apply(mesh, axis, dims, *shards)
+    else:
+        out = _gather(shards, mesh, axis, dims)
+    if regather and not getattr(_state, "in_checkpoint", False):
+        for shard, full, move in zip(shards, out, placed):
+            _regather.add(shard, full, mesh, move)
+    return out
+
+
+def _gather(shards, mesh, axis: int, dims) -> tuple:
+    n = mesh.size(axis)
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    out = flat.new_empty(n * flat.numel())
+    torch.distributed.all_gather_into_tensor(out, flat, group=mesh.get_group(axis))
+    parts, fulls, offset = out.view(n, -1), [], 0
+    for s, d in zip(shards, dims):
+        pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
+        fulls.append(torch.cat(pieces.unbind(0), dim=d))
+        offset += s.numel()
+    return tuple(fulls)
+
+
+class _GatherBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mesh, axis, dims, *shards):
+        ctx.mesh, ctx.axis, ctx.dims = mesh, axis, dims
+        ctx.shapes = [s.shape for s in shards]
+        return _gather(shards, mesh, axis, dims)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.mesh.size(ctx.axis)
+        # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
+        rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, ctx.dims)],
+                         dim=1)
+        mine = rows.new_empty(rows.shape[1])
+        torch.distributed.reduce_scatter_tensor(mine, rows.reshape(-1), group=ctx.mesh.get_group(ctx.axis))
+        out, offset = [], 0
+        for shape in ctx.shapes:
+            k = math.prod(shape)
+            out.append(mine[offset:offset + k].view(shape))
+            offset += k
+        return (None, None, None, *out)
+
+
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
 
 class _Regather:

@@ -346,12 +346,22 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     over one mesh axis and over both of a 2x2 mesh, summed over four
     backwards (two through one graph) from None and from zeros, equal one
     device's; the loss comes
-    back without its all-reduce waited for and reads as one device's."""
+    back without its all-reduce waited for and reads as one device's. Then a
+    GPT's parameters held sharded over the first axis of 2x2 (ZeRO-2 and
+    ZeRO-3): gathered in buckets (one all-gather for all ZeRO-2 parameters,
+    one per module for ZeRO-3), their gradients reduce-scattered per bucket,
+    equal one device's."""
     proc = torchrun(["tests/fixtures/grad_sync.py", "tests/fixtures/fastnet.json"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "buckets" in line]
-    assert [line.split(":")[0] for line in lines] == ["4 26214400", "4 1024", "2x2 26214400", "2x2 1024"]
+    assert [line.split(":")[0] for line in lines] == ["4 26214400", "4 1024", "2x2 26214400", "2x2 1024",
+                                                      "2x2 26214400 S(0) R", "2x2 26214400 S(0) R regather"]
     for line in lines:
         buckets = int(line.split("buckets ")[1].split(",")[0])
         assert buckets >= 8 and (buckets > 8) == line.split(":")[0].endswith(" 1024"), line
         assert "loss type _Pending" in line and float(line.split("grad rel err ")[1]) <= TOL, line
+    gathers = [json.loads(line.split("gathers ")[1].split("]")[0] + "]") for line in lines]
+    assert gathers[:4] == [[]] * 4, lines
+    zero2, zero3 = gathers[4:]
+    assert len(zero2) == 8 and min(zero2) > 2, lines[4]  # every forward (a no_grad one too): one bucket
+    assert len(zero3) > len(zero2) and min(zero3) >= 2, lines[5]  # a bucket per module
