@@ -154,6 +154,12 @@ class GradAccumulation:
 DDP_BUCKET_BYTES = 25 * 2**20
 """DistributedDataParallel's default ``bucket_cap_mb`` (25 MiB)."""
 
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""The cap of DDP's first bucket (the last parameters, whose gradients backward
+makes first) under the default bucket size: ``torch.distributed.
+_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, so that the first all-reduce starts
+early in backward."""
+
 
 def grad_sync(mesh, bucket_bytes: int | None = DDP_BUCKET_BYTES):
     """Inside this ``with`` block (one forward), the gradients of parameters
@@ -166,7 +172,8 @@ def grad_sync(mesh, bucket_bytes: int | None = DDP_BUCKET_BYTES):
 class GradSync:
     """Gradient synchronisation of replicated parameters, the way DDP's reducer
     does it (Li et al., VLDB 2020, sec. 3.2): the parameters a forward uses
-    (``param``) are put in buckets of about ``bucket_bytes``, in reverse order
+    (``param``) are put in buckets of about ``bucket_bytes`` (the first, as
+    DDP's, of about 1 MiB under the default size), in reverse order
     of first use (the order backward makes their gradients), one mesh-axis
     group and dtype per bucket. Backward leaves each gradient a local partial
     sum (see ``param``); when every gradient of
@@ -202,10 +209,12 @@ class GradSync:
 
     def _plan(self) -> list:
         buckets, current = [], {}
+        first = min(self.bucket_bytes, DDP_FIRST_BUCKET_BYTES) if self.bucket_bytes == DDP_BUCKET_BYTES \
+            else self.bucket_bytes
         for local, axes in reversed(self.params.items()):
             key = (axes, local.dtype)
             bucket = current.get(key)
-            if bucket is None or bucket.nbytes >= self.bucket_bytes:
+            if bucket is None or bucket.nbytes >= (first if bucket is buckets[0] else self.bucket_bytes):
                 bucket = current[key] = _Bucket(axes)
                 buckets.append(bucket)
             bucket.members.append(local)
