@@ -436,6 +436,8 @@ class _Emitter:
         changed = [i for i in range(self.ndim) if a[i] != b[i]]
         if len(changed) != 1 or not isinstance(a[changed[0]], Shard) or not isinstance(b[changed[0]], Replicate):
             return
+        if any(p == a[changed[0]] for i, p in enumerate(a) if i != changed[0]):
+            return  # the dim is split over another axis too: the pieces nest, not a plain all-gather
         nbytes = math.prod(node.out.shape) * node.out.dtype.itemsize
         group = (changed[0], node.out.dtype, node.fqn.rpartition(".")[0] if node.fqn in self.regather else None)
         self.grads.gather(key, src, f"{_as_sum(have)}->{_as_sum(want)}", nbytes, group)
