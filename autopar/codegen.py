@@ -39,7 +39,9 @@ value between placements (S(d) / R / P per mesh axis) and, in backward, its
 gradient (a move from P is an all-reduce or, to S(d), a reduce-scatter);
 `autopar_spmd_grad_allreduce(x, axes)` is the identity whose backward
 all-reduces the gradient over those axes; `autopar_spmd_grad_share(x, axes)`
-passes a whole gradient on coordinate 0 of those axes only (no collective).
+passes a whole gradient on coordinate 0 of those axes only (no collective);
+`autopar_spmd_gather_params((w, ...), ("<from>-><to>", ...))` all-gathers a
+bucket of sharded parameters and reduce-scatters their gradients in backward.
 Parameters (`autopar_spmd_param`) leave the all-reduce of their gradients over
 the axes that replicate them to buckets launched while backward runs, waited
 for at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
-from autopar.passes.strategy import fmt_spec, parse_spec
+from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
 

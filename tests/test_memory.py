@@ -109,10 +109,11 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     model, inputs, loss, cluster = parameter_heavy()
     times = []
     for budget, present, absent, recompute in SWEEP:
-        # 25 s for the whole compile (capture, build, the recomputation
-        # candidates): ZeRO-2 at 90 MB is the optimum, found in about 20 s here
+        # 40 s for the whole compile (capture, build, the recomputation
+        # candidates): ZeRO-2 at 90 MB is the optimum, found in about 20 s on an idle machine; with 25 s
+        # a loaded machine (the suite's two workers) left the solver 5.6 s and no plan at one budget
         plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16",
-                               memory=budget and budget * 1e6, time_limit_s=25)
+                               memory=budget and budget * 1e6, time_limit_s=40)
         stages = {p["zero_stage"] for p in plan.parameters.values()}
         assert present <= stages and not (absent & stages), (budget, stages)
         # At 70 MB the full-recomputation candidate now reaches the compile's deadline (issue 28: the

@@ -23,7 +23,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.ops import aten
 from torch.utils import _pytree as pytree
 
