@@ -26,7 +26,8 @@ from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
 from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
-from autopar.cost_models.resharding import as_sum, grad_spec
+from autopar.cost_models.graph_costs import input_grad_spec
+from autopar.cost_models.resharding import as_sum, producer_grad_spec
 from autopar.passes.strategy import Strategy, fmt_spec, local_shape, parse_spec
 from autopar.plan import Plan
 
@@ -122,12 +123,11 @@ def build_program(graph: Graph, plan: Plan, local_inputs: bool = False, traced: 
 
 
 def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> fx.GraphModule:
-    emit = _Emitter(graph, plan, local_inputs, grads)
+    main, env = fx.Graph(), {}
+    emit = _Emitter(graph, plan, local_inputs, grads, main)
     regions = _recompute_regions(graph, plan)
     region_of = {name: i for i, names in enumerate(regions) for name in names}
     root = torch.nn.Module()
-    main, env = fx.Graph(), {}
-    emit.main = main
     consumers = graph.consumers()
     done = set()
     for src in graph.gm.graph.nodes:
@@ -182,7 +182,7 @@ class _Gradients:
         self.uses: dict = {}  # key -> the gradient placements of each use
         self.reshards: dict = {}  # reshard key -> its source's key, in program order
         self.partial: dict = {}
-        self.gathers: list = []  # (key, source, move, gathered bytes, (axis, dtype, regather)) in program order
+        self.gathers: dict = {}  # key -> (source, move, gathered bytes, group: see gather()), in program order
         self.buckets: list = []  # per bucket: its members (key, source, move)
         self.bucket_of: dict = {}
         self.solved = False
@@ -205,8 +205,8 @@ class _Gradients:
     def gather(self, key: str, source: str, move: str, nbytes: int, group: tuple) -> None:
         """A parameter's gather over one mesh axis (S(d) -> R there), a candidate for a bucket;
         ``group``: (axis, dtype, the module that holds it where it is regathered, else None)."""
-        if not self.solved and all(k != key for k, *_ in self.gathers):
-            self.gathers.append((key, source, move, nbytes, group))
+        if not self.solved:
+            self.gathers.setdefault(key, (source, move, nbytes, group))
 
     def _buckets(self) -> None:
         """Consecutive gathers over the same axis (same dtype, ZeRO stage) into
@@ -217,7 +217,7 @@ class _Gradients:
         freed after its last use, so regathered parameters share a bucket
         only with those of the same module (FSDP2 shards per module too)."""
         open_: dict = {}
-        for key, source, move, nbytes, group in self.gathers:
+        for key, (source, move, nbytes, group) in self.gathers.items():
             axis = group[0]
             back, shard = self.arriving(key), self.arriving(source)
             if not isinstance(back[axis], Partial) or any(b != p for a, (b, p) in enumerate(zip(back, shard))
@@ -236,8 +236,8 @@ class _Gradients:
         for key, source in reversed(self.reshards.items()):  # a reshard's uses before its source's
             self.partial[key] = self._axes(key)
             self.uses.setdefault(source, []).append(tuple(
-                Partial() if a in self.partial[key] and isinstance(p, Replicate) else
-                Replicate() if isinstance(p, Partial) else p for a, p in enumerate(self.spec[source])))
+                Partial() if a in self.partial[key] and isinstance(p, Replicate) else p
+                for a, p in enumerate(producer_grad_spec(self.spec[source]))))
         for key in self.spec:
             if key not in self.partial:
                 self.partial[key] = self._axes(key)
@@ -253,8 +253,7 @@ class _Gradients:
         """Where the gradient of the value arrives: whole (a partial value's
         gradient is the sum's), a partial sum on ``partial[key]``."""
         axes = self.partial.get(key, ())
-        return tuple(Partial() if a in axes else Replicate() if isinstance(p, Partial) else p
-                     for a, p in enumerate(self.spec[key]))
+        return tuple(Partial() if a in axes else p for a, p in enumerate(producer_grad_spec(self.spec[key])))
 
     def back(self, key: str, source: str) -> str:
         """The backward spec of the reshard ``key`` of ``source``."""
@@ -282,15 +281,15 @@ class _Emitter:
     """Emits one captured node into an fx graph, with the reshards its strategy
     needs and the gradient sums and shares ``grads`` asks for."""
 
-    def __init__(self, graph: Graph, plan: Plan, local_inputs: bool, grads: _Gradients):
+    def __init__(self, graph: Graph, plan: Plan, local_inputs: bool, grads: _Gradients, main: fx.Graph):
         self.graph, self.plan, self.local_inputs, self.grads = graph, plan, local_inputs, grads
+        self.main = main  # the program's own graph (not a recomputed layer's)
         self.specs = {n.name: n for n in plan.nodes}
         self.inputs = {i["name"]: i for i in plan.inputs}
         self.fx_nodes = {n.name: n for n in graph.gm.graph.nodes}
         self.ndim = plan.mesh.ndim
         self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
         self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
-        self.main: fx.Graph | None = None  # the program's own graph (not a recomputed layer's)
 
     def _made(self, g: fx.Graph, env: dict, name: str, spec: str, param: bool = False) -> None:
         """Value ``name`` (in ``env``) is made here: the sum of its partial gradients, if any."""
@@ -357,8 +356,7 @@ class _Emitter:
             self.grads.value(src.name, want)
             return
         counter = iter(range(len(node.inputs)))
-        grads = use_grads([parse_spec(s, self.ndim) for s in plan_node.input_specs],
-                          [parse_spec(s, self.ndim) for s in (plan_node.item_specs or [plan_node.output_spec])])
+        grads = use_grads(plan_node.placed(self.ndim))
         keys = []
 
         def arg(a):
@@ -396,7 +394,7 @@ class _Emitter:
     def _whole(self, spec: str) -> tuple:
         """The gradient placements of a value returned placed ``spec``: the
         whole gradient where it is replicated or a partial sum."""
-        return grad_spec(as_sum(parse_spec(spec, self.ndim)), [False] * self.ndim)
+        return producer_grad_spec(parse_spec(spec, self.ndim))
 
     def _key(self, name: str, want: str) -> str:
         """The key of the value a consumer wanting ``want`` reads: ``name`` itself or its reshard."""
@@ -471,15 +469,12 @@ class _Emitter:
         return g.call_function(spmd.reshard, args)
 
 
-def use_grads(inputs: list, outputs: list) -> list:
-    """The placements of the gradient each input of an op gives back, from the
-    op's placements (``inputs``, and ``outputs``: one per output): on an axis
-    where the op splits its work or makes a partial output, a replicated
-    input's local gradient is one summand (``grad_spec``)."""
-    ndim = len(outputs[0])
-    splits = [any(isinstance(s[a], Shard) for s in (*inputs, *outputs)) or isinstance(outputs[0][a], Partial)
-              for a in range(ndim)]
-    return [grad_spec(as_sum(s), splits) for s in inputs]
+def use_grads(strategy: Strategy) -> list:
+    """The placements of the gradient each input of an op placed ``strategy``
+    gives back: on an axis where the op splits its work or makes a partial
+    output, a replicated input's local gradient is one summand (the rule the
+    cost model prices edges by, ``graph_costs.input_grad_spec``)."""
+    return [input_grad_spec(strategy, i, len(strategy.output)) for i in range(len(strategy.inputs))]
 
 
 def _as_sum(spec: str) -> str:

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 
 from autopar.errors import AutoparError, PlanError
-from autopar.passes.strategy import Strategy, fmt_spec, parse_spec
+from autopar.passes.strategy import Strategy, fmt_spec
 from autopar.plan import Plan
 from autopar.report import fmt_bytes
 from autopar.report import fmt_s
@@ -154,9 +154,7 @@ def _planned_strategy(plan_node, strategies: list, ndim: int) -> Strategy:
     for s in strategies:
         if str(s) == plan_node.strategy:
             return s
-    items = tuple(parse_spec(x, ndim) for x in plan_node.item_specs) or None
-    return Strategy(tuple(parse_spec(x, ndim) for x in plan_node.input_specs), parse_spec(plan_node.output_spec, ndim),
-                    items=items)
+    return plan_node.placed(ndim)
 
 
 def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = None) -> Explanation:

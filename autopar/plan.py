@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.errors import PlanError, ShardingError
 from autopar.mesh import Mesh
-from autopar.passes.strategy import fmt_spec, local_shape, parse_placement, parse_spec
+from autopar.passes.strategy import Strategy, fmt_spec, local_shape, parse_placement, parse_spec
 
 SCHEMA = "autopar.plan/1"
 PHASES = ("forward", "backward", "recompute", "optimizer")
@@ -45,6 +45,12 @@ class NodePlan:
     def item_spec(self, k: int) -> str:
         """The spec of output ``k``."""
         return self.item_specs[k] if self.item_specs else self.output_spec
+
+    def placed(self, ndim: int) -> Strategy:
+        """Its placements as a ``Strategy`` on a mesh of ``ndim`` axes."""
+        items = tuple(parse_spec(x, ndim) for x in self.item_specs) or None
+        return Strategy(tuple(parse_spec(x, ndim) for x in self.input_specs), parse_spec(self.output_spec, ndim),
+                        items=items)
 
     def to_json(self) -> dict:
         items = {"item_specs": self.item_specs} if self.item_specs else {}

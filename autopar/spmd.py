@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
+from autopar.cost_models.resharding import producer_grad_spec
 from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
@@ -462,7 +463,7 @@ def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = Fal
             "autopar plans static shapes: recompile for this shape (the decorator form does so itself)")
     whole = (Replicate(),) * mesh.ndim
     if t.requires_grad and torch.is_grad_enabled():
-        grads = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+        grads = producer_grad_spec(placements)
         return _Reshard.apply(t, mesh, (whole, placements), (grads, whole))
     return _redistribute(t, mesh, whole, placements)
 
@@ -724,7 +725,7 @@ def output(x: torch.Tensor, spec: str) -> torch.Tensor:
     if group is not None:
         return _SumLater.apply(x, group, sync)
     whole = (Replicate(),) * mesh.ndim
-    grads = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    grads = producer_grad_spec(placements)
     if x.requires_grad and torch.is_grad_enabled():
         return _Reshard.apply(x, mesh, (placements, whole), (whole, grads))
     return _redistribute(x, mesh, placements, whole)

@@ -28,7 +28,7 @@ from torch.ops import aten
 from torch.utils import _pytree as pytree
 
 from autopar.codegen import use_grads
-from autopar.cost_models.resharding import as_sum, grad_spec
+from autopar.cost_models.resharding import as_sum, producer_grad_spec
 from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
 from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
 from rule_samples import SAMPLES, Sample, gen, idx, x  # tests/ is on sys.path under pytest
@@ -141,6 +141,20 @@ def assemble(vals: dict, spec, mesh_shape) -> torch.Tensor:
     return cur[()]
 
 
+def _differs(local_vals: dict, placements, mesh_shape, want: torch.Tensor, label: str) -> list[str]:
+    """What is wrong with the per-rank ``local_vals`` placed ``placements`` as
+    the single-device ``want``: replicas that disagree, or the reassembled
+    value off (empty when they agree)."""
+    try:
+        full = assemble(local_vals, placements, mesh_shape)
+    except AssertionError as e:
+        return [f"{label}: {e}"]
+    if not _close(full, want):
+        err = (full.double() - want.double()).abs().max().item() if full.shape == want.shape else "shape"
+        return [f"{label}: differs from the single-device value (max abs error {err})"]
+    return []
+
+
 def _global_shape(shape, placements, mesh_shape) -> tuple:
     """The global shape a local shard of ``shape`` placed ``placements`` stands for."""
     out = list(shape)
@@ -245,11 +259,11 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
         got_grads = {}
         if leaves:
             # each rank's cotangent is its piece of the whole one (a partial output's is the whole)
-            terms = [_real(o * LocalTensor(place(c, grad_spec(as_sum(p), [False] * len(p)), mesh_shape, 0))).sum()
+            terms = [_real(o * LocalTensor(place(c, producer_grad_spec(p), mesh_shape, 0))).sum()
                      for o, c, p in zip(outs, cots, outputs) if c is not None and o.requires_grad]
             if terms:
                 sum(terms).backward()
-            grads = use_grads(list(strategy.inputs), outputs)
+            grads = use_grads(strategy)
             got_grads = {i: (_local_values(leaf.grad), grads[tensors.index(i)]) if leaf.grad is not None else None
                          for i, leaf in leaves.items()}
 
@@ -263,29 +277,15 @@ def run_strategy(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
             continue
         if not sample.values:
             continue
-        try:
-            full = assemble(local_vals, placements, mesh_shape)
-        except AssertionError as e:
-            problems.append(f"output {k}: {e}")
-            continue
-        if not _close(full, r):
-            err = (full.double() - r.double()).abs().max().item() if full.shape == r.shape else "shape"
-            problems.append(f"output {k}: values differ from the single-device op (max abs error {err})")
+        problems += _differs(local_vals, placements, mesh_shape, r, f"output {k}")
     for i, want_grad in ref_grads.items():
         have = got_grads.get(i)
         if have is None:
             problems.append(f"input {tensors.index(i)}: no gradient")
             continue
         local_grads, placed = have
-        try:
-            full = assemble(local_grads, placed, mesh_shape)
-        except AssertionError as e:
-            problems.append(f"input {tensors.index(i)}: gradient placed {fmt_spec(placed)}: {e}")
-            continue
-        if not _close(full, want_grad):
-            err = (full.double() - want_grad.double()).abs().max().item() if full.shape == want_grad.shape else "shape"
-            problems.append(f"input {tensors.index(i)}: gradient, placed {fmt_spec(placed)}, differs from the "
-                            f"single-device one (max abs error {err})")
+        problems += _differs(local_grads, placed, mesh_shape, want_grad,
+                             f"input {tensors.index(i)}: gradient placed {fmt_spec(placed)}")
     for i, want_value in ref_updated.items():
         wrong = [r for r, v in sorted(local_in[i].items()) if not _close(v, want_value)]
         if wrong:
