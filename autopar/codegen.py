@@ -43,9 +43,10 @@ all-reduces the gradient over those axes; `autopar_spmd_grad_share(x, axes)`
 passes a whole gradient on coordinate 0 of those axes only (no collective);
 `autopar_spmd_gather_params((w, ...), ("<from>-><to>", ...))` all-gathers a
 bucket of sharded parameters and reduce-scatters their gradients in backward.
-Parameters (`autopar_spmd_param`) leave the all-reduce of their gradients over
-the axes that replicate them to buckets launched while backward runs, waited
-for at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum
+`autopar_spmd_param(w, spec, axes)` leaves the all-reduce of a parameter's
+gradient over `axes` (those that replicate it where its uses split their
+work; elsewhere each rank has the whole gradient) to buckets launched while
+backward runs, waited for at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum
 (the loss) all-reduces it without waiting there. Predicted step time
 {step:.3g} s, peak memory {mem:.3g} GiB per device.
 """
@@ -169,8 +170,10 @@ class _Gradients:
     follow from its consumer's strategy (``grad_spec``): on a mesh axis where
     the value is replicated, a partial sum if the consumer splits its work
     there, the whole gradient otherwise. ``partial[key]``: the axes where the
-    gradient of the value is summed as partial sums (some use gives one there,
-    or the value is a parameter: its sum is ``GradSync``'s); a use that gives
+    gradient of the value is summed as partial sums (some use gives one
+    there; a parameter's sum is ``GradSync``'s, and where every use gives the
+    whole gradient, as ops replicated over an axis do, each rank has it and
+    nothing is reduced there, as the cost model prices it); a use that gives
     the whole gradient there passes it through ``grad_share``, and the sum
     happens where the value is made (``grad_allreduce``, or the ``reshard``
     that made it moves the partial sum on: "P->S(0)" is a reduce-scatter)."""
@@ -247,7 +250,7 @@ class _Gradients:
     def _axes(self, key: str) -> tuple:
         uses = self.uses.get(key, [])
         return tuple(a for a, p in enumerate(self.spec[key]) if isinstance(p, Replicate) and self.sizes[a] > 1
-                     and (key in self.params or any(isinstance(g[a], Partial) for g in uses)))
+                     and any(isinstance(g[a], Partial) for g in uses))
 
     def arriving(self, key: str) -> tuple:
         """Where the gradient of the value arrives: whole (a partial value's
@@ -258,6 +261,13 @@ class _Gradients:
     def back(self, key: str, source: str) -> str:
         """The backward spec of the reshard ``key`` of ``source``."""
         return f"{fmt_spec(self.arriving(key))}->{fmt_spec(self.arriving(source))}"
+
+
+def _divides(shape, spec: str, mesh_shape) -> bool:
+    """Whether every dim ``spec`` splits divides by the axes that split it."""
+    placed = parse_spec(spec, len(mesh_shape))
+    return all(n % math.prod(size for p, size in zip(placed, mesh_shape) if isinstance(p, Shard) and p.dim == d) == 0
+               for d, n in enumerate(shape))
 
 
 def regions_label(graph: Graph, names: list) -> str:
@@ -306,8 +316,8 @@ class _Emitter:
         if src.op == "placeholder":
             ph = g.placeholder(src.name)
             spec = specs[src.name].output_spec
-            if node.kind is NodeKind.PARAM:
-                env[src.name] = g.call_function(spmd.param, (ph, spec))
+            if node.kind is NodeKind.PARAM:  # its gradient's sum (GradSync's) over the axes a use gives partial sums
+                env[src.name] = g.call_function(spmd.param, (ph, spec, self.grads.partial.get(src.name, ())))
                 env[src.name].name = f"{src.name}_p"
                 self._made(g, env, src.name, spec, param=True)
             elif node.kind is NodeKind.INPUT:
@@ -466,7 +476,10 @@ class _Emitter:
             self.gathered.add(key)
         move = f"{_as_sum(have)}->{_as_sum(want)}"
         args = (value, move, back, True) if regather else (value, move, back)
-        return g.call_function(spmd.reshard, args)
+        node = self.graph.nodes.get(source)
+        uneven = node is None or len(node.outputs) != 1 or any(
+            not _divides(node.out.shape, spec, self.plan.mesh.shape) for spec in (have, want))
+        return g.call_function(spmd.reshard, args, {"uneven": True} if uneven else {})
 
 
 def use_grads(strategy: Strategy) -> list:

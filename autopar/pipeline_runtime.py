@@ -526,10 +526,16 @@ class _Zero1:
         flat[:t.numel()].copy_(t.reshape(-1))
         return flat
 
-    def reduce(self) -> None:
+    def reduce(self, summed: bool = False) -> None:
+        """This rank's piece of the accumulated gradient into ``shard.grad``:
+        reduce-scattered, or with ``summed`` (every rank has the whole
+        gradient: the stage's ops are replicated over the axis) taken."""
         grad = self.full.grad
-        out = torch.empty(self.size, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, self._padded(grad), group=self.group)
+        if summed:
+            out = self._padded(grad)[self.index * self.size:(self.index + 1) * self.size]
+        else:
+            out = torch.empty(self.size, dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, self._padded(grad), group=self.group)
         self.shard.grad = out if self.shard.grad is None else self.shard.grad + out
         self.full.grad = None
 

@@ -83,14 +83,17 @@ def _spec(text: str, ndim: int) -> tuple:
     return parse_spec(text, ndim)
 
 
-def param(local: torch.Tensor, spec: str) -> torch.Tensor:
-    """A parameter's local shard, as it is. Its gradient arrives as a partial
-    sum over the mesh axes that replicate it (codegen adds ``grad_share``
-    where a use gives the whole gradient there); the reduction over them is
-    left to the step's ``GradSync`` (bucketed all-reduces launched during
-    backward) or, in a pipeline step, to ``GradAccumulation``; without
-    either it happens here, in backward. The axes that shard it need nothing
-    here: a gather of it (``reshard``) reduce-scatters its gradient back."""
+def param(local: torch.Tensor, spec: str, axes: tuple) -> torch.Tensor:
+    """A parameter's local shard (placed ``spec``), as it is. Its gradient
+    arrives as a partial sum over the mesh ``axes`` (some of those that
+    replicate it: where its uses split their work; codegen adds
+    ``grad_share`` where another use gives the whole gradient there); the
+    reduction over them is left to the step's ``GradSync`` (bucketed
+    all-reduces launched during backward) or, in a pipeline step, to
+    ``GradAccumulation``; without either it happens here, in backward. On
+    the other axes that replicate it every rank has the whole gradient; the
+    axes that shard it need nothing here: a gather of it (``reshard``)
+    reduce-scatters its gradient back."""
     if not (torch.is_grad_enabled() and local.requires_grad):
         return local
     mesh = _mesh()
@@ -98,20 +101,18 @@ def param(local: torch.Tensor, spec: str) -> torch.Tensor:
     sync = getattr(_state, "grad_sync", None) if acc is None else None
     if sync is None and getattr(local, "_autopar_sync", None) is not None:
         local._autopar_sync = None  # reduced another way now (an earlier step's GradSync no longer)
-    axes = _replicated_axes(_spec(spec, mesh.ndim), mesh)
-    if not axes:
-        return local
-    if acc is not None:
+    placements = _spec(spec, mesh.ndim)
+    if any(not isinstance(placements[a], Replicate) for a in axes):
+        raise ValueError(f"a parameter placed {spec} is summed over mesh axes {axes}: only axes that replicate it")
+    if acc is not None:  # (with no axes too: ZeRO-1 takes its shard of the gradient at the end)
         acc.pending[local] = axes
+        return local
+    if not axes:
         return local
     if sync is not None:
         sync.add(local, axes)
         return local
     return grad_allreduce(local, axes)
-
-
-def _replicated_axes(placements, mesh) -> tuple:
-    return tuple(a for a, p in enumerate(placements) if isinstance(p, Replicate) and mesh.size(a) > 1)
 
 
 class GradAccumulation:
@@ -134,7 +135,8 @@ class GradAccumulation:
         """All-reduce every accumulated gradient over its deferred axes of
         ``mesh`` (a DeviceMesh), except that a parameter in ``scatter`` (its
         optimizer state sharded over one axis: an object with ``axis`` and
-        ``reduce()``) is reduce-scattered over that axis; returns how many
+        ``reduce(summed)``) is reduce-scattered over that axis (or, summed
+        already, sliced); returns how many
         collectives ran."""
         count = 0
         for prm, axes in self.pending.items():
@@ -146,8 +148,8 @@ class GradAccumulation:
                     torch.distributed.all_reduce(prm.grad, group=mesh.get_group(a))
                     count += 1
             if own is not None:
-                own.reduce()
-                count += 1
+                own.reduce(summed=own.axis not in axes)
+                count += own.axis in axes
         self.pending.clear()
         return count
 
@@ -304,9 +306,14 @@ def _off_first(mesh, axes) -> bool:
     return any(coord[a] != 0 for a in axes)
 
 
-def _redistribute(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> torch.Tensor:
-    """This rank's piece of a value placed ``src`` when it is placed ``dst``
-    (DTensor's collectives for the change). A Partial (sum) made from a value
+def _redistribute(local: torch.Tensor, mesh, src: tuple, dst: tuple, even: bool = False) -> torch.Tensor:
+    """This rank's piece of a value placed ``src`` when it is placed ``dst``:
+    local slices for R -> S, then one axis at a time, innermost first, the
+    collective each step is (``_one_axis``), and DTensor's redistribute for
+    what is left (S -> S, S -> P, pieces that nest otherwise: the same
+    pieces, more Python per call). A gather is one collective of ours only
+    where the caller knows that the pieces are ``even`` (a rank's own piece
+    cannot tell: every rank must choose the same way). A Partial (sum) made from a value
     that was not one keeps the value on coordinate 0 of that axis and zeros
     elsewhere (DTensor makes Partials only inside its own ops)."""
     if src == dst:
@@ -314,9 +321,16 @@ def _redistribute(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> torch.Te
     zero = [a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(d, Partial) and not isinstance(s, Partial)]
     via = tuple(Replicate() if a in zero else d for a, d in enumerate(dst))
     local, src = _slice(local, mesh, src, via)
-    if via != src:
-        dt = DTensor.from_local(local, mesh, src, run_check=False)
-        local = _waited(dt.redistribute(mesh, via).to_local())
+    while via != src:  # one axis at a time, the last (innermost) first, where that is one collective
+        for a in reversed(range(len(src))):
+            step = tuple(via[b] if b == a else p for b, p in enumerate(src))
+            direct = _one_axis(local, mesh, src, step, even) if step != src else None
+            if direct is not None:
+                local, src = direct, step
+                break
+        else:
+            dt = DTensor.from_local(local, mesh, src, run_check=False)
+            local, src = _waited(dt.redistribute(mesh, via).to_local()), via
     if zero and _off_first(mesh, zero):
         local = torch.zeros_like(local)
     return local
@@ -340,33 +354,103 @@ def _slice(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> tuple:
     return local, tuple(src)
 
 
+def _one_axis(local: torch.Tensor, mesh, src: tuple, dst: tuple, even: bool = False) -> torch.Tensor | None:
+    """A move on one mesh axis as the one collective it is, called directly
+    (DTensor's redistribute costs more in Python than a small collective
+    on the wire): S(d) -> R an all-gather (pieces ``even``), P -> R an
+    all-reduce, P -> S(d) a reduce-scatter (dim d divides). The pieces are
+    DTensor's where every other axis that splits dim d comes first (it cuts
+    the dim outside this one; ``_nested`` where one comes after). None: not
+    such a move."""
+    changed = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
+    if len(changed) != 1 or any(type(c) is not int for c in mesh.get_coordinate()):
+        return None
+    a = changed[0]
+    s, d = src[a], dst[a]
+    if isinstance(s, Partial) and s.reduce_op != "sum":
+        return None
+    if (isinstance(s, Shard) and not even) or (isinstance(d, Shard) and local.shape[d.dim] % mesh.size(a)):
+        return None
+    shard = s if isinstance(s, Shard) else d if isinstance(d, Shard) else None
+    inner = [b for b, p in enumerate(src) if shard is not None and isinstance(p, Shard) and p.dim == shard.dim
+             and b > a]
+    if inner:  # the dim is cut inside this axis's pieces too: they nest
+        outer = [c for c, p in enumerate(src) if isinstance(p, Shard) and p.dim == shard.dim and c < a]
+        return None if outer else _nested(local, mesh, a, inner, s, d)
+    n, group = mesh.size(a), mesh.get_group(a)
+    if isinstance(s, Shard) and isinstance(d, Replicate):
+        out = local.new_empty(n * local.numel())
+        torch.distributed.all_gather_into_tensor(out, local.reshape(-1), group=group)
+        pieces = out.view(n, *local.shape)
+        return torch.cat(pieces.unbind(0), dim=s.dim) if s.dim else out.view(n * local.shape[0], *local.shape[1:])
+    if isinstance(s, Partial) and isinstance(d, Replicate):
+        out = local.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(out, group=group)
+        return out
+    if isinstance(s, Partial) and isinstance(d, Shard):
+        rows = torch.stack(local.chunk(n, dim=d.dim)).contiguous()  # (stack keeps a channels-last layout)
+        out = rows.new_empty(rows[0].numel())
+        torch.distributed.reduce_scatter_tensor(out, rows.view(-1), group=group)
+        return out.view(rows.shape[1:])
+    return None
+
+
+def _nested(local: torch.Tensor, mesh, a: int, inner: list, s, d) -> torch.Tensor | None:
+    """S(d) -> R, or P -> S(d), on axis ``a`` of a dim that a later axis
+    ``b`` splits too, of the same size n. With a outermost, rank (i, j) of
+    (a, b) holds piece i*n + j of the dim (DTensor's order); R on a and S(d)
+    on b is chunk j, pieces j*n .. j*n + n-1. So an all-gather over a
+    (pieces k*n + j, k < n) and an all-to-all over b that sends the k-th to
+    rank k of b; in backward, the all-to-all first, then a reduce-scatter
+    over a. None where that is not the move (DTensor's redistribute)."""
+    b = inner[0]
+    n = mesh.size(a)
+    if len(inner) != 1 or mesh.size(b) != n:
+        return None
+    if isinstance(s, Shard) and isinstance(d, Replicate):
+        gathered = local.new_empty(n * local.numel())
+        torch.distributed.all_gather_into_tensor(gathered, local.reshape(-1), group=mesh.get_group(a))
+        mine = torch.empty_like(gathered)
+        torch.distributed.all_to_all_single(mine, gathered, group=mesh.get_group(b))
+        return torch.cat(mine.view(n, *local.shape).unbind(0), dim=s.dim)
+    if isinstance(s, Partial) and isinstance(d, Shard):
+        rows = torch.stack(local.chunk(n, dim=d.dim)).contiguous()
+        routed = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        torch.distributed.all_to_all_single(routed.view(-1), rows.view(-1), group=mesh.get_group(b))
+        out = rows.new_empty(rows[0].numel())
+        torch.distributed.reduce_scatter_tensor(out, routed.view(-1), group=mesh.get_group(a))
+        return out.view(rows.shape[1:])
+    return None
+
+
 class _Reshard(torch.autograd.Function):
     """``_redistribute`` forward (``fwd``: src, dst), and its gradient from
     where it arrives to where the source's gradient is wanted (``bwd``)."""
 
     @staticmethod
-    def forward(ctx, x, mesh, fwd, bwd):
-        ctx.mesh, ctx.bwd = mesh, bwd
-        return _redistribute(x, mesh, *fwd)
+    def forward(ctx, x, mesh, fwd, bwd, even=False):
+        ctx.mesh, ctx.bwd, ctx.even = mesh, bwd, even
+        return _redistribute(x, mesh, *fwd, even)
 
     @staticmethod
     def backward(ctx, grad):
-        return _redistribute(grad, ctx.mesh, *ctx.bwd), None, None, None
+        return _redistribute(grad, ctx.mesh, *ctx.bwd, ctx.even), None, None, None, None
 
 
-def reshard(x: torch.Tensor, fwd: str, bwd: str, regather: bool = False) -> torch.Tensor:
+def reshard(x: torch.Tensor, fwd: str, bwd: str, regather: bool = False, uneven: bool = False) -> torch.Tensor:
     """Move ``x`` between placements, ``fwd`` = "<from>-><to>": the
     collective(s) the plan lists for this edge; in backward, its gradient
     moves as ``bwd`` says (from how it arrives, a partial sum where the
     consumers' are, to how the source's other uses give theirs: "P->S(0)"
     is a reduce-scatter). ``regather`` (ZeRO-3): ``x`` is a parameter's
-    shard whose gathered copy is not kept for backward (``_Regather``)."""
+    shard whose gathered copy is not kept for backward (``_Regather``).
+    ``uneven``: some dim of ``x`` split here does not divide by its axes."""
     mesh = _mesh()
     move, back = _move(fwd, mesh.ndim), _move(bwd, mesh.ndim)
     if x.requires_grad and torch.is_grad_enabled():
-        out = _Reshard.apply(x, mesh, move, back)
+        out = _Reshard.apply(x, mesh, move, back, not uneven)
     else:
-        out = _redistribute(x, mesh, *move)
+        out = _redistribute(x, mesh, *move, not uneven)
     if regather and not getattr(_state, "in_checkpoint", False):
         _regather.add(x, out, mesh, move)
     return out
@@ -569,7 +653,7 @@ class _Regather:
         if not isinstance(saved, _Note):
             return saved
         with torch.no_grad():
-            full = _redistribute(saved.source.detach(), saved.mesh, *saved.move)
+            full = _redistribute(saved.source.detach(), saved.mesh, *saved.move, True)  # parameters divide
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 

@@ -212,10 +212,10 @@ def batch_split(on: bool):
         planner.enumerate_strategies = original
 
 
-def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool, mesh: str):
+def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool, mesh: str, cluster: str):
     def solve():
         with batch_split(split_batch):
-            return compile_plan(model, inputs, mesh=mesh, cluster="cpu", loss_fn=loss_fn,
+            return compile_plan(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
                                 parameter_placements=pins)
 
     plan = agreed_plan(solve)
@@ -241,12 +241,13 @@ def one_device(model, inputs, loss_fn):
     return lambda: loss_fn(model(*inputs[:-1]), inputs[-1])
 
 
-def run_case(name: str, meshes: dict, steps: int, warmup: int) -> dict:
+def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str) -> dict:
     make, pins, hand, hand_name, is_family, split_batch, mesh = CASES[name]
     device_mesh = meshes[mesh]
     model, inputs, loss_fn = make()
     twin, alone = copy.deepcopy(model), copy.deepcopy(model)
-    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch, mesh)
+    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch, mesh,
+                                         cluster)
     if not is_family(plan):
         raise SystemExit(f"{name}: the pinned plan is not the family it benchmarks: "
                          f"{ {k: (v['placements'], v.get('zero_stage')) for k, v in plan.parameters.items()} }")
@@ -272,11 +273,13 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cluster", default="cpu", help="the cluster the plans are priced on (a preset or a profile "
+                    "file: `autopar calibrate -o F` measures this machine now)")
     args = ap.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
     meshes = {"4": init_distributed((WORLD,), ("x",))}
     meshes["2x2"] = init_device_mesh(meshes["4"].device_type, (2, 2), mesh_dim_names=("x", "y"))
-    rows = [run_case(c, meshes, args.steps, args.warmup) for c in args.cases.split(",")]
+    rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster) for c in args.cases.split(",")]
     if dist.get_rank() == 0:
         print(f"{'case':<9} {'mesh':<4} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} "
               f"{'predicted ms':>12} {'one device ms':>13}")

@@ -365,3 +365,4 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     zero2, zero3 = gathers[4:]
     assert len(zero2) == 8 and min(zero2) > 2, lines[4]  # every forward (a no_grad one too): one bucket
     assert len(zero3) > len(zero2) and min(zero3) >= 2, lines[5]  # a bucket per module
+    assert "direct moves: 10 equal DTensor's" in proc.stdout

@@ -120,6 +120,36 @@ def _meta_gpt(layers: int, hidden: int, seq: int, batch: int, heads: int = 8, vo
     return model, (idx, target), lm_loss
 
 
+def test_the_program_syncs_the_gradients_the_plan_prices():
+    """A parameter's gradient is all-reduced over the mesh axes where its uses
+    split their work (the batch here), where the plan prices the sum, not
+    over every axis that replicates it: with Megatron's split on y the layer
+    norms run whole on each rank of y, and their gradients need no sum there."""
+    import re
+    from autopar.capture import capture
+    from autopar.codegen import build_program, program_source
+    model, inputs, loss = _meta_gpt(layers=2, hidden=256, seq=64, batch=16)
+
+    def tp(fqn):
+        if fqn.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc.weight", "mlp.fc.bias")):
+            return "S(0)"
+        return "S(1)" if fqn.endswith(("attn.proj.weight", "mlp.proj.weight")) else "R"
+    pins = {fqn: ["R", tp(fqn)] for fqn, _ in model.named_parameters()}
+    plan = autopar.compile(model, inputs, mesh="2x2", cluster="dgx-a100", loss_fn=loss, parameter_placements=pins)
+    graph = capture(model, inputs, loss)
+    program = program_source(build_program(graph, plan), plan)
+    node = graph.params  # fqn -> the program's argument
+    summed = {m[1]: {int(a) for a in m[2].split(",") if a.strip()}
+              for m in re.finditer(r"autopar_spmd_param\((\w+), '[^']*', \(([\d, ]*)\)\)", program)}
+    priced = {node[fqn]: set() for fqn in plan.parameters}
+    for c in plan.collectives:
+        if c["gradient_sync"] and c["kind"] == "all_reduce":
+            priced[node[c["tensor"]]].add(plan.mesh.names.index(c["mesh_axes"][0]))
+    assert summed == priced
+    replicated = [node[fqn] for fqn, p in plan.parameters.items() if p["placements"] == ["R", "R"]]
+    assert any(summed[name] != {0, 1} for name in replicated), summed  # some are whole on y
+
+
 def test_layer_classes_peel_instances_off_the_ends():
     from autopar.capture import capture
     from autopar.passes.cluster import deeper_ends, layer_classes, repeated_layers
