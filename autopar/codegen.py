@@ -187,6 +187,7 @@ class _Gradients:
         self.partial: dict = {}
         self.gathers: dict = {}  # key -> (source, move, gathered bytes, group: see gather()), in program order
         self.buckets: list = []  # per bucket: its members (key, source, move)
+        self.whole: list = []  # per bucket: the gathered axes where its gradients arrive whole (a slice, no sum)
         self.bucket_of: dict = {}
         self.solved = False
 
@@ -206,33 +207,35 @@ class _Gradients:
         self.reshards.setdefault(key, source)
 
     def gather(self, key: str, source: str, move: str, nbytes: int, group: tuple) -> None:
-        """A parameter's gather over one mesh axis (S(d) -> R there), a candidate for a bucket;
-        ``group``: (axis, dtype, the module that holds it where it is regathered, else None)."""
+        """A parameter's gather over some mesh axes (S(d) -> R there), a candidate for a bucket;
+        ``group``: (the axes, dtype, the module that holds it where it is regathered, else None)."""
         if not self.solved:
             self.gathers.setdefault(key, (source, move, nbytes, group))
 
     def _buckets(self) -> None:
-        """Consecutive gathers over the same axis (same dtype, ZeRO stage) into
+        """Consecutive gathers over the same axes (same dtype, ZeRO stage) into
         buckets of up to ``spmd.DDP_BUCKET_BYTES`` gathered, where the
-        gradient comes back as the bucket's reduce-scatter would give it: a
-        partial sum over the axis, placed as the shard elsewhere. A ZeRO-2
+        gradient comes back as the bucket's reduce-scatters would give it: a
+        partial sum over the axes, placed as the shard elsewhere. A ZeRO-2
         copy lives until backward wherever it is gathered; a ZeRO-3 one is
         freed after its last use, so regathered parameters share a bucket
         only with those of the same module (FSDP2 shards per module too)."""
         open_: dict = {}
         for key, (source, move, nbytes, group) in self.gathers.items():
-            axis = group[0]
+            axes = group[0]
             back, shard = self.arriving(key), self.arriving(source)
-            if not isinstance(back[axis], Partial) or any(b != p for a, (b, p) in enumerate(zip(back, shard))
-                                                          if a != axis):
+            if any(not isinstance(back[a], (Partial, Replicate)) for a in axes) or any(
+                    b != p for a, (b, p) in enumerate(zip(back, shard)) if a not in axes):
                 continue
-            bucket = open_.get(group)
+            whole = tuple(a for a in axes if isinstance(back[a], Replicate))  # ops run whole there: no sum
+            bucket = open_.get((group, whole))
             if bucket is None or bucket[1] + nbytes > spmd.DDP_BUCKET_BYTES:
-                bucket = open_[group] = [[], 0]
-                self.buckets.append(bucket[0])
+                bucket = open_[group, whole] = [[], 0]
+                self.buckets.append((bucket[0], whole))
             bucket[0].append((key, source, move))
             bucket[1] += nbytes
-        self.buckets = [b for b in self.buckets if len(b) > 1]
+        self.whole = [whole for b, whole in self.buckets if len(b) > 1]
+        self.buckets = [b for b, _ in self.buckets if len(b) > 1]
         self.bucket_of = {key: i for i, b in enumerate(self.buckets) for key, _, _ in b}
 
     def solve(self) -> None:
@@ -443,13 +446,14 @@ class _Emitter:
         if node.kind is not NodeKind.PARAM:
             return
         a, b = parse_spec(have, self.ndim), parse_spec(want, self.ndim)
-        changed = [i for i in range(self.ndim) if a[i] != b[i]]
-        if len(changed) != 1 or not isinstance(a[changed[0]], Shard) or not isinstance(b[changed[0]], Replicate):
+        changed = tuple(i for i in range(self.ndim) if a[i] != b[i])
+        if not changed or any(not isinstance(a[i], Shard) or not isinstance(b[i], Replicate) for i in changed):
             return
-        if any(p == a[changed[0]] for i, p in enumerate(a) if i != changed[0]):
-            return  # the dim is split over another axis too: the pieces nest, not a plain all-gather
+        # gathered innermost axis first, each a plain all-gather unless a later axis left sharded splits its dim
+        if any(a[e] == a[c] for c in changed for e in range(c + 1, self.ndim) if e not in changed):
+            return  # the pieces nest
         nbytes = math.prod(node.out.shape) * node.out.dtype.itemsize
-        group = (changed[0], node.out.dtype, node.fqn.rpartition(".")[0] if node.fqn in self.regather else None)
+        group = (changed, node.out.dtype, node.fqn.rpartition(".")[0] if node.fqn in self.regather else None)
         self.grads.gather(key, src, f"{_as_sum(have)}->{_as_sum(want)}", nbytes, group)
 
     def _gather_bucket(self, g: fx.Graph, env: dict, bucket: int) -> None:
@@ -457,7 +461,9 @@ class _Emitter:
         members = self.grads.buckets[bucket]
         regather = self.graph.nodes[members[0][1]].fqn in self.regather  # a bucket is one ZeRO stage
         args = (tuple(env[src] for _, src, _ in members), tuple(move for _, _, move in members))
-        call = g.call_function(spmd.gather_params, (*args, True) if regather else args)
+        whole = self.grads.whole[bucket]
+        call = g.call_function(spmd.gather_params, (*args, True) if regather else args,
+                               {"whole": whole} if whole else {})
         call.name = f"gathered_{bucket}"
         env[("bucket", bucket)] = call
         for i, (key, src, move) in enumerate(members):

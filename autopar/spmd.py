@@ -554,23 +554,27 @@ def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = Fal
 
 # --- parameters gathered in buckets (ZeRO) ----------------------------------------
 
-def gather_params(shards: tuple, moves: tuple, regather: bool = False) -> tuple:
-    """Parameters held sharded over one mesh axis, gathered whole over it
-    with one all-gather for the bucket (``moves[k]``: shard k's
-    "<from>-><to>", differing on that axis only, S(d) -> R); in backward
-    their gradients, partial sums over the axis, are reduce-scattered back
-    into the shards with one reduce-scatter for the bucket, once the last of
-    them is ready (FSDP2 groups its parameters per module the same way).
-    ``regather`` (ZeRO-3): the gathered copies are not kept for backward
-    (``_Regather``)."""
+def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tuple = ()) -> tuple:
+    """Parameters held sharded over some mesh axes, gathered whole over them
+    with one all-gather per axis for the bucket, the innermost axis first
+    (``moves[k]``: shard k's "<from>-><to>", S(d) -> R on those axes, the
+    same axes for every shard); in backward their gradients, partial sums
+    over the axes, are reduce-scattered back into the shards with one
+    reduce-scatter per axis for the bucket, once the last of them is ready
+    (FSDP2 groups its parameters per module the same way); on the axes in
+    ``whole`` the ops that use them run whole on every rank, so their
+    gradients are too: each rank takes its piece. ``regather`` (ZeRO-3):
+    the gathered copies are not kept for backward (``_Regather``)."""
     mesh = _mesh()
     placed = tuple(_move(m, mesh.ndim) for m in moves)
-    axis = next(a for a, (s, d) in enumerate(zip(*placed[0])) if s != d)
-    dims = tuple(src[axis].dim for src, _ in placed)
+    axes = tuple(a for a in reversed(range(mesh.ndim)) if placed[0][0][a] != placed[0][1][a])
+    dims = tuple(tuple(src[a].dim for src, _ in placed) for a in axes)
     if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
-        out = _GatherBucket.apply(mesh, axis, dims, *shards)
+        out = _GatherBucket.apply(mesh, axes, dims, tuple(a in whole for a in axes), *shards)
     else:
-        out = _gather(shards, mesh, axis, dims)
+        out = shards
+        for a, d in zip(axes, dims):
+            out = _gather(out, mesh, a, d)
     if regather and not getattr(_state, "in_checkpoint", False):
         for shard, full, move in zip(shards, out, placed):
             _regather.add(shard, full, mesh, move)
@@ -578,6 +582,7 @@ def gather_params(shards: tuple, moves: tuple, regather: bool = False) -> tuple:
 
 
 def _gather(shards, mesh, axis: int, dims) -> tuple:
+    """Each of ``shards`` gathered over mesh ``axis`` on its dim in ``dims``: one all-gather."""
     n = mesh.size(axis)
     flat = torch.cat([s.reshape(-1) for s in shards])
     out = flat.new_empty(n * flat.numel())
@@ -590,27 +595,40 @@ def _gather(shards, mesh, axis: int, dims) -> tuple:
     return tuple(fulls)
 
 
+def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple:
+    """``_gather``'s backward: each rank's piece of the sum of ``grads`` over
+    mesh ``axis``, shaped ``shapes``: one reduce-scatter (``whole``: every
+    rank has the sum already; its piece)."""
+    n = mesh.size(axis)
+    if whole:
+        mine = mesh.get_local_rank(axis)
+        return tuple(g.chunk(n, dim=d)[mine].contiguous().view(shape) for g, d, shape in zip(grads, dims, shapes))
+    # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
+    rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)], dim=1)
+    mine = rows.new_empty(rows.shape[1])
+    torch.distributed.reduce_scatter_tensor(mine, rows.reshape(-1), group=mesh.get_group(axis))
+    out, offset = [], 0
+    for shape in shapes:
+        k = math.prod(shape)
+        out.append(mine[offset:offset + k].view(shape))
+        offset += k
+    return tuple(out)
+
+
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, mesh, axis, dims, *shards):
-        ctx.mesh, ctx.axis, ctx.dims = mesh, axis, dims
-        ctx.shapes = [s.shape for s in shards]
-        return _gather(shards, mesh, axis, dims)
+    def forward(ctx, mesh, axes, dims, whole, *shards):
+        ctx.mesh, ctx.axes, ctx.dims, ctx.whole, ctx.shapes = mesh, axes, dims, whole, []
+        for a, d in zip(axes, dims):
+            ctx.shapes.append([s.shape for s in shards])
+            shards = _gather(shards, mesh, a, d)
+        return shards
 
     @staticmethod
     def backward(ctx, *grads):
-        n = ctx.mesh.size(ctx.axis)
-        # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
-        rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, ctx.dims)],
-                         dim=1)
-        mine = rows.new_empty(rows.shape[1])
-        torch.distributed.reduce_scatter_tensor(mine, rows.reshape(-1), group=ctx.mesh.get_group(ctx.axis))
-        out, offset = [], 0
-        for shape in ctx.shapes:
-            k = math.prod(shape)
-            out.append(mine[offset:offset + k].view(shape))
-            offset += k
-        return (None, None, None, *out)
+        for a, d, shapes, whole in reversed(list(zip(ctx.axes, ctx.dims, ctx.shapes, ctx.whole))):
+            grads = _scatter(grads, ctx.mesh, a, d, shapes, whole)
+        return (None, None, None, None, *grads)
 
 
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------

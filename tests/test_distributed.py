@@ -350,19 +350,31 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     GPT's parameters held sharded over the first axis of 2x2 (ZeRO-2 and
     ZeRO-3): gathered in buckets (one all-gather for all ZeRO-2 parameters,
     one per module for ZeRO-3), their gradients reduce-scattered per bucket,
-    equal one device's."""
+    equal one device's; and held sharded over both axes on one dim, gathered
+    over both in one bucket (an all-gather per axis), on two clusters: one
+    where the blocks split their work over both axes (the gradients
+    reduce-scattered over both) and one where they run whole on every rank
+    (each rank takes its piece of the gradient, no collective). Last, the
+    moves spmd makes with its own collectives equal DTensor's."""
     proc = torchrun(["tests/fixtures/grad_sync.py", "tests/fixtures/fastnet.json"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "buckets" in line]
     assert [line.split(":")[0] for line in lines] == ["4 26214400", "4 1024", "2x2 26214400", "2x2 1024",
-                                                      "2x2 26214400 S(0) R", "2x2 26214400 S(0) R regather"]
+                                                      "2x2 26214400 S(0) R", "2x2 26214400 S(0) R regather",
+                                                      "2x2 26214400 S(0) S(0)", "2x2 26214400 S(0) S(0)"]
     for line in lines:
+        assert float(line.split("grad rel err ")[1]) <= TOL, line
+    for line in lines[:6]:
         buckets = int(line.split("buckets ")[1].split(",")[0])
         assert buckets >= 8 and (buckets > 8) == line.split(":")[0].endswith(" 1024"), line
-        assert "loss type _Pending" in line and float(line.split("grad rel err ")[1]) <= TOL, line
-    gathers = [json.loads(line.split("gathers ")[1].split("]")[0] + "]") for line in lines]
+        assert "loss type _Pending" in line, line
+    gathers, sliced = ([json.loads(line.split(f"{what} ")[1].split("]")[0] + "]") for line in lines]
+                       for what in ("gathers", "sliced"))
     assert gathers[:4] == [[]] * 4, lines
-    zero2, zero3 = gathers[4:]
+    zero2, zero3, both, whole = gathers[4:]
     assert len(zero2) == 8 and min(zero2) > 2, lines[4]  # every forward (a no_grad one too): one bucket
     assert len(zero3) > len(zero2) and min(zero3) >= 2, lines[5]  # a bucket per module
+    # one bucket over both axes: two all-gathers per forward; its gradients summed, then taken whole
+    assert len(both) == len(whole) == 16 and min(both) > 2 and min(whole) > 2, lines[6:]
+    assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]
     assert "direct moves: 10 equal DTensor's" in proc.stdout
