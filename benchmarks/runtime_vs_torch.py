@@ -177,7 +177,9 @@ CASES = {
     "zero3": (mlp_case, zero3_pins, fsdp2(reshard=True), "FSDP2 fully_shard(reshard_after_forward=True)",
               lambda plan: all(p.get("zero_stage") == 3 for p in plan.parameters.values()), True, "4"),
     "tp": (gpt_case, megatron_pins, megatron, "parallelize_module Colwise/Rowwise",
-           lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values()), False, "4"),
+           lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values())
+           and all(p.get("zero_stage") is None for p in plan.parameters.values() if p["placements"] != ["R"]),
+           False, "4"),
     "tp_zero2": (gpt_case, megatron_zero2_pins, megatron_fsdp2, "parallelize_module (y) + FSDP2 no reshard (x)",
                  lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values())
                  and any(p["placements"] == ["S(0)", "S(1)"] for p in plan.parameters.values()), True, "2x2"),
