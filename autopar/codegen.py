@@ -28,7 +28,7 @@ from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
 from autopar.cost_models.graph_costs import input_grad_spec
 from autopar.cost_models.resharding import as_sum, producer_grad_spec
-from autopar.passes.strategy import Strategy, fmt_spec, local_shape, parse_spec
+from autopar.passes.strategy import Strategy, divides, fmt_spec, local_shape, parse_spec
 from autopar.plan import Plan
 
 HEADER = '''"""Per-rank program emitted by autopar for mesh {mesh} on {cluster}.
@@ -266,13 +266,6 @@ class _Gradients:
         return f"{fmt_spec(self.arriving(key))}->{fmt_spec(self.arriving(source))}"
 
 
-def _divides(shape, spec: str, mesh_shape) -> bool:
-    """Whether every dim ``spec`` splits divides by the axes that split it."""
-    placed = parse_spec(spec, len(mesh_shape))
-    return all(n % math.prod(size for p, size in zip(placed, mesh_shape) if isinstance(p, Shard) and p.dim == d) == 0
-               for d, n in enumerate(shape))
-
-
 def regions_label(graph: Graph, names: list) -> str:
     """"blocks_0" for a whole layer, "blocks_0_attn" for a region inside one:
     the module path its ops share (ops of the top level, glue between a
@@ -484,7 +477,7 @@ class _Emitter:
         args = (value, move, back, True) if regather else (value, move, back)
         node = self.graph.nodes.get(source)
         uneven = node is None or len(node.outputs) != 1 or any(
-            not _divides(node.out.shape, spec, self.plan.mesh.shape) for spec in (have, want))
+            not divides(parse_spec(spec, self.ndim), node.out.shape, self.plan.mesh.shape) for spec in (have, want))
         return g.call_function(spmd.reshard, args, {"uneven": True} if uneven else {})
 
 

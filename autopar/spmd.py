@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
-from autopar.cost_models.resharding import producer_grad_spec
+from autopar.cost_models.resharding import nested_inside, producer_grad_spec
 from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
@@ -372,41 +372,32 @@ def _one_axis(local: torch.Tensor, mesh, src: tuple, dst: tuple, even: bool = Fa
     if (isinstance(s, Shard) and not even) or (isinstance(d, Shard) and local.shape[d.dim] % mesh.size(a)):
         return None
     shard = s if isinstance(s, Shard) else d if isinstance(d, Shard) else None
-    inner = [b for b, p in enumerate(src) if shard is not None and isinstance(p, Shard) and p.dim == shard.dim
-             and b > a]
-    if inner:  # the dim is cut inside this axis's pieces too: they nest
-        outer = [c for c, p in enumerate(src) if isinstance(p, Shard) and p.dim == shard.dim and c < a]
-        return None if outer else _nested(local, mesh, a, inner, s, d)
-    n, group = mesh.size(a), mesh.get_group(a)
+    if shard is not None and any(isinstance(p, Shard) and p.dim == shard.dim and b > a for b, p in enumerate(src)):
+        # the dim is cut inside this axis's pieces too: they nest
+        b = nested_inside(src, a, shard.dim, mesh.shape)
+        return None if b is None else _nested(local, mesh, a, b, s, d)
     if isinstance(s, Shard) and isinstance(d, Replicate):
-        out = local.new_empty(n * local.numel())
-        torch.distributed.all_gather_into_tensor(out, local.reshape(-1), group=group)
-        pieces = out.view(n, *local.shape)
-        return torch.cat(pieces.unbind(0), dim=s.dim) if s.dim else out.view(n * local.shape[0], *local.shape[1:])
+        return _gather((local,), mesh, a, (s.dim,))[0]
     if isinstance(s, Partial) and isinstance(d, Replicate):
         out = local.clone(memory_format=torch.contiguous_format)
-        torch.distributed.all_reduce(out, group=group)
+        torch.distributed.all_reduce(out, group=mesh.get_group(a))
         return out
     if isinstance(s, Partial) and isinstance(d, Shard):
-        rows = torch.stack(local.chunk(n, dim=d.dim)).contiguous()  # (stack keeps a channels-last layout)
-        out = rows.new_empty(rows[0].numel())
-        torch.distributed.reduce_scatter_tensor(out, rows.view(-1), group=group)
-        return out.view(rows.shape[1:])
+        piece = local.chunk(mesh.size(a), dim=d.dim)[0]
+        return _scatter((local,), mesh, a, (d.dim,), [piece.shape])[0]
     return None
 
 
-def _nested(local: torch.Tensor, mesh, a: int, inner: list, s, d) -> torch.Tensor | None:
+def _nested(local: torch.Tensor, mesh, a: int, b: int, s, d) -> torch.Tensor | None:
     """S(d) -> R, or P -> S(d), on axis ``a`` of a dim that a later axis
     ``b`` splits too, of the same size n. With a outermost, rank (i, j) of
     (a, b) holds piece i*n + j of the dim (DTensor's order); R on a and S(d)
     on b is chunk j, pieces j*n .. j*n + n-1. So an all-gather over a
     (pieces k*n + j, k < n) and an all-to-all over b that sends the k-th to
     rank k of b; in backward, the all-to-all first, then a reduce-scatter
-    over a. None where that is not the move (DTensor's redistribute)."""
-    b = inner[0]
+    over a (``resharding.nested_inside`` names b and prices the all-to-all).
+    None where that is not the move (DTensor's redistribute)."""
     n = mesh.size(a)
-    if len(inner) != 1 or mesh.size(b) != n:
-        return None
     if isinstance(s, Shard) and isinstance(d, Replicate):
         gathered = local.new_empty(n * local.numel())
         torch.distributed.all_gather_into_tensor(gathered, local.reshape(-1), group=mesh.get_group(a))
@@ -584,13 +575,14 @@ def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tu
 def _gather(shards, mesh, axis: int, dims) -> tuple:
     """Each of ``shards`` gathered over mesh ``axis`` on its dim in ``dims``: one all-gather."""
     n = mesh.size(axis)
-    flat = torch.cat([s.reshape(-1) for s in shards])
+    flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
     out = flat.new_empty(n * flat.numel())
     torch.distributed.all_gather_into_tensor(out, flat, group=mesh.get_group(axis))
     parts, fulls, offset = out.view(n, -1), [], 0
     for s, d in zip(shards, dims):
         pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
-        fulls.append(torch.cat(pieces.unbind(0), dim=d))
+        # on dim 0 the pieces stack as they lie (a view of the buffer where it holds one tensor)
+        fulls.append(pieces.reshape(n * s.shape[0], *s.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d))
         offset += s.numel()
     return tuple(fulls)
 
@@ -604,7 +596,8 @@ def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple
         mine = mesh.get_local_rank(axis)
         return tuple(g.chunk(n, dim=d)[mine].contiguous().view(shape) for g, d, shape in zip(grads, dims, shapes))
     # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
-    rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)], dim=1)
+    blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)]
+    rows = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
     mine = rows.new_empty(rows.shape[1])
     torch.distributed.reduce_scatter_tensor(mine, rows.reshape(-1), group=mesh.get_group(axis))
     out, offset = [], 0

@@ -52,26 +52,24 @@ def _transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links
         if kind is None:
             continue
         moves.append(Move(kind, axis, size, collective_time(kind, size, links[axis])))
-        inner = _nested_inside(src, dst, axis, mesh_shape) if kind in _NESTING else None
-        if inner is not None:
-            moves.append(Move(Collective.ALL_TO_ALL, inner, size,
-                              collective_time(Collective.ALL_TO_ALL, size, links[inner])))
+        if kind in _NESTING and sum(x != y for x, y in zip(src, dst)) == 1:  # a one-axis move: spmd._one_axis
+            inner = nested_inside(src, axis, (a if isinstance(a, Shard) else b).dim, mesh_shape)
+            if inner is not None:
+                moves.append(Move(Collective.ALL_TO_ALL, inner, size,
+                                  collective_time(Collective.ALL_TO_ALL, size, links[inner])))
     return tuple(moves)
 
 
 _NESTING = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
 
 
-def _nested_inside(src: tuple, dst: tuple, axis: int, mesh_shape: tuple) -> int | None:
-    """The axis b whose all-to-all a one-axis gather (S(d) -> R) or
-    reduce-scatter (P -> S(d)) on ``axis`` also needs when the dim is split
-    by b inside this axis's pieces (b later, the same size, and the only
-    other axis splitting it): the pieces nest, and the runtime routes them
-    over b (spmd._nested). None otherwise."""
-    if sum(a != b for a, b in zip(src, dst)) != 1:
-        return None
-    shard = src[axis] if isinstance(src[axis], Shard) else dst[axis]
-    others = [b for b, p in enumerate(src) if b != axis and isinstance(p, Shard) and p.dim == shard.dim]
+def nested_inside(src: tuple, axis: int, dim: int, mesh_shape) -> int | None:
+    """The axis b whose all-to-all a one-axis gather (S(dim) -> R) or
+    reduce-scatter (P -> S(dim)) on ``axis`` of a value placed ``src`` also
+    needs because b splits the dim inside this axis's pieces (b later, the
+    same size, and the only other axis splitting it): the pieces nest, and
+    the runtime routes them over b (spmd._nested). None otherwise."""
+    others = [b for b, p in enumerate(src) if b != axis and isinstance(p, Shard) and p.dim == dim]
     if len(others) == 1 and others[0] > axis and mesh_shape[others[0]] == mesh_shape[axis]:
         return others[0]
     return None

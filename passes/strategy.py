@@ -127,7 +127,8 @@ def replicate_row(n_inputs: int) -> Row:
     return Row(R, (R,) * n_inputs)
 
 
-def _divides(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+def divides(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Whether every dim ``spec`` splits divides by the mesh axes that split it."""
     factor = [1] * len(shape)
     for axis, p in enumerate(spec):
         if isinstance(p, Shard):
@@ -160,9 +161,9 @@ def expand_to_mesh(
         inputs = tuple(tuple(r.inputs[i] for r in combo) for i in range(len(combo[0].inputs)))
         output = tuple(r.output for r in combo)
         items = tuple(tuple(r.items[k] if r.items else r.output for r in combo) for k in range(len(output_shapes)))
-        if not all(_divides(s, sh, mesh_shape) for s, sh in zip(inputs, input_shapes)):
+        if not all(divides(s, sh, mesh_shape) for s, sh in zip(inputs, input_shapes)):
             continue
-        if not all(_divides(s, sh, mesh_shape) for s, sh in zip(items, output_shapes)):
+        if not all(divides(s, sh, mesh_shape) for s, sh in zip(items, output_shapes)):
             continue
         out.append(Strategy(inputs, output, items=None if all(s == output for s in items) else items))
     return out
