@@ -21,6 +21,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from torch.distributed.tensor import Shard
+
 from autopar.errors import AutoparError, PlanError
 from autopar.passes.strategy import Strategy, fmt_spec
 from autopar.plan import Plan
@@ -68,6 +70,9 @@ class Candidate:
     chosen: bool
     transfers: list = field(default_factory=list)
     over_budget: bool = False
+    reading: str = ""
+    """What the strategy does, in the words of the technique, where the op has
+    them (attention: data, head or context parallelism per mesh axis)."""
     """With this strategy instead, the plan's peak memory per device would exceed the budget."""
 
     @property
@@ -257,7 +262,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         candidates.append(Candidate(
             str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in" and t.paid),
             sum(t.seconds for t in transfers if t.direction == "out" and t.paid),
-            node_memory(node, s, ctx, kept_share.get(name, 0.0)) + held, str(s) == chosen_text, transfers))
+            node_memory(node, s, ctx, kept_share.get(name, 0.0)) + held, str(s) == chosen_text, transfers,
+            reading=_reading(node, s, mesh.names)))
     if not any(c.chosen for c in candidates):
         raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
                         "the model or autopar's rules changed since the plan was compiled; recompile it")
@@ -280,6 +286,18 @@ def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, 
     return [Transfer(neighbour, direction, node, phase, m.kind.value, axis_names[m.axis], m.nbytes, m.seconds,
                      tuple(shared_with), paid)
             for phase, moves in (("forward", fwd), ("backward", bwd)) for m in moves]
+
+
+def _reading(node, s: Strategy, axis_names) -> str:
+    """Attention's strategy in the words of the technique: per mesh axis, the
+    dim of the queries it splits (passes/rules/misc.py, sdpa_rule)."""
+    if node.op_name != "scaled_dot_product_attention" or node.info is None:
+        return ""
+    seq = node.info.inputs[0].ndim - 2
+    words = {0: "batch split (data parallel)", seq: "sequence split, keys and values gathered (context parallel)"}
+    parts = [f"{axis}: " + words.get(p.dim, "heads split (tensor parallel)")
+             for axis, p in zip(axis_names, s.output) if isinstance(p, Shard)]
+    return "; ".join(parts) or "whole on every device"
 
 
 def format_explanation(e: Explanation, *, limit: int = 12) -> str:
@@ -316,6 +334,8 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
     ch, nxt = e.chosen, e.runner_up
     out.append("")
     out.append(f"chosen: {ch.strategy}  total {fmt_s(ch.total_s)}")
+    if ch.reading:
+        out.append(f"  {ch.reading}")
     for t in ch.transfers:
         out.append(f"  {t}")
     if not ch.transfers:
@@ -345,6 +365,8 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
                "the chosen one saves elsewhere: nodes of one layer class share their strategy, or the solver "
                "stopped within its optimality gap")
         out.append(f"cheaper here: {nxt.strategy} by {fmt_s(-gap)}; {why}")
+    if nxt.reading:
+        out.append(f"  {nxt.reading}")
     for t in nxt.transfers:
         out.append(f"  {t}")
     if nxt.compute_s != ch.compute_s:

@@ -31,6 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.attention.bias
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -1048,6 +1049,33 @@ def _grouped_mm(fn, mesh, st, args, kwargs):
     return out.index_select(0, (positions - lo) % n)
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention(fn, mesh, st, args, kwargs):
+    """Causal attention with the queries' sequence split (context
+    parallelism, passes/rules/misc.py): keys and values arrive whole, and a
+    rank holding queries ``offset .. offset + n`` of the sequence attends to
+    keys ``0 .. offset + n``, the last n causally (the lower-right-aligned
+    causal mask, which torch's kernels run without materialising it where
+    they can). Rank r thus computes (r + 1/2) / (r + 1) of a full block row
+    of scores; the cost model prices every rank at the last one's share.
+    Without ``is_causal``, or with the sequence whole, the op runs as it is."""
+    a = dict(zip(_SDPA_ARGS, args), **kwargs)
+    q = a["query"]
+    seq = q.ndim - 2
+    index, count = _shard_index(mesh, st.inputs[0], seq)
+    if count == 1 or not a.get("is_causal", False):
+        return fn(*args, **kwargs)
+    n = q.shape[seq]
+    visible = (index + 1) * n
+    k, v = (t.narrow(t.ndim - 2, 0, visible) for t in (a["key"], a["value"]))
+    mask = torch.nn.attention.bias.causal_lower_right(n, visible)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=a.get("dropout_p", 0.0), scale=a.get("scale"),
+        enable_gqa=a.get("enable_gqa", False))
+
+
 class StepSeed:
     """One random seed per training step, the same on every rank: rank 0 draws
     it and broadcasts it, once, at the step's first random op. Random ops
@@ -1134,6 +1162,7 @@ LOCAL_IMPLS = {
     torch.ops.aten.batch_norm.default: _batch_norm,
     torch.ops.aten.affine_grid_generator.default: _affine_grid,
     torch.ops.aten._grouped_mm.default: _grouped_mm,
+    torch.ops.aten.scaled_dot_product_attention.default: _attention,
     "transformers.grouped_mm_fallback.default": _grouped_mm,  # a library's op, by name (passes/rules/experts.py)
 }
 LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})

@@ -150,3 +150,18 @@ def small(batch: int = 8):
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     return model, (idx, target), lm_loss
+
+
+def long_context(seq: int = 32768, layers: int = 4, batch: int = 1):
+    """FACTORY for the CLI: Llama 3 8B's layer shapes (Dubey et al. 2024, Table 3:
+    hidden 4096, 32 query / 8 key-value heads, FFN 14336, vocabulary 128256)
+    at a 32k-token sequence, ``layers`` of its 32 layers, built on the meta
+    device (nothing allocated: for planning). Long-context training, where
+    the attention's activations outgrow what tensor parallelism divides."""
+    cfg = LlamaConfig(vocab=128256, seq=seq, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=layers,
+                      rope_theta=500000.0)
+    with torch.device("meta"):
+        model = Llama(cfg)
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+        target = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (idx, target), lm_loss

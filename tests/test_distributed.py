@@ -304,6 +304,28 @@ def test_hugging_face_experts_split_train_like_one_device(tmp_path):
         assert set(grouped.values()) == {"(R, S(0), R) -> P"}, r["label"]
 
 
+def test_context_parallel_attention_trains_like_one_device(tmp_path):
+    """Context parallelism (tests/fixtures/cp_ranks.py, one launch): every
+    attention's queries split along the sequence and its keys and values
+    gathered whole, on a mesh of 4 and on 2x2 (data x context, and context
+    over both axes), in causal attention (examples/llama.py, each rank's
+    queries seeing the keys up to its chunk: spmd._attention), under a
+    padding mask (examples/bert.py) and under transformers' own Llama with
+    its mask tensor, solved around the pinned attention (and on 2x2 also
+random). Each
+    trains like one device, and its attention is the split it was given."""
+    out = tmp_path / "cp.json"
+    proc = torchrun(["tests/fixtures/cp_ranks.py", "tests/fixtures/fastnet.json", str(out), "4,2x2"], 4)
+    assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert len(reports) == 9
+    assert_agrees(reports, drift=True)
+    for r in reports:
+        attention = [s for k, s in r["plan"]["strategies"].items() if k.startswith("scaled_dot_product_attention")]
+        want = "S(2)" if r["mesh"] == "4" else "S(0)S(2)" if "pinned" in r["label"] else "S(2)S(2)"
+        assert attention and all(s.endswith(f"-> {want}") for s in attention), (r["label"], attention)
+
+
 def test_measured_step_of_the_collective_chain():
     """autopar.measure, which `autopar calibrate` and docs/validation.md run:
     the collective chain's pinned Megatron pairs cannot run without

@@ -566,3 +566,42 @@ def test_a_trailing_regather_pins_zero_3():
     with pytest.raises(autopar.AutoparError, match=r"cannot pin layers.0.weight to S\(7\): valid placements for "
                        r"it are \[.*'S\(0\) regather'.*a trailing 'regather' asks for ZeRO-3"):
         _pins(graph, strategies, {"layers.0.weight": ["S(7)"]}, classes)
+
+
+def test_long_context_llama_picks_context_parallelism():
+    """Llama 3 8B's layer at a 32k-token sequence (examples/llama.py,
+    long_context) on one 8-GPU node as 2x4: the planner splits attention's
+    sequence over the first axis (context parallelism, keys and values
+    gathered) and its heads over the second, because in its cost model that
+    beats the best plan whose attention splits heads only (tensor
+    parallelism over all 8 GPUs, solved with attention pinned so), and
+    ``autopar explain`` says so in those words."""
+    import importlib.util
+
+    from autopar.capture import capture
+    from autopar.cost_models.cluster import get_cluster
+    from autopar.cost_models.graph_costs import CostContext
+    from autopar.explain import explain
+    from autopar.passes.enumerate import enumerate_strategies
+    from autopar.solver import solve
+
+    spec = importlib.util.spec_from_file_location("llama_example", os.path.join(ROOT, "examples", "llama.py"))
+    llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama)
+    model, inputs, loss = llama.long_context(layers=1)
+    plan = autopar.compile(model, inputs, mesh="2x4", cluster="dgx-a100", loss_fn=loss, precision="bf16")
+    (attention,) = [n for n in plan.nodes if n.name.startswith("scaled_dot_product_attention")]
+    assert attention.strategy == "(S(2)S(1), RS(1), RS(1)) -> S(2)S(1)"
+
+    graph = capture(model, inputs, loss)
+    strategies, _ = enumerate_strategies(graph, (2, 4))
+    heads = [str(s) for s in strategies[attention.name]].index("(S(1)S(1), S(1)S(1), S(1)S(1)) -> S(1)S(1)")
+    ctx = CostContext.make((2, 4), get_cluster("dgx-a100"), precision="bf16")
+    tensor_parallel = solve(graph, strategies, ctx, pinned={attention.name: heads},
+                            memory_budget=get_cluster("dgx-a100").device.memory)
+    assert tensor_parallel.status == "OPTIMAL"
+    assert plan.solver["objective"] < tensor_parallel.objective_s * (1 - plan.solver["relative_gap"])
+
+    text = explain(plan, attention.name, graph=graph)
+    chosen = text.split("chosen:")[1].split("next best")[0]
+    assert "x: sequence split, keys and values gathered (context parallel); y: heads split" in chosen

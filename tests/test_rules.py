@@ -309,43 +309,62 @@ class _RankMesh:
 
 
 # Local implementations that read the rank's coordinate as a Python int, which
-# LocalTensorMode cannot simulate: checked rank by rank instead (values only).
+# LocalTensorMode cannot simulate: checked rank by rank instead.
 RANK_BY_RANK = {aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                 aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
-                aten.uniform.default, aten.normal_functional.default, aten.exponential.default}
-"""Ops whose local implementation seeds each shard's draw by the rank's
-coordinate (the random ops). The masked embedding lookup computes with the
-coordinate only in tensor arithmetic, which LocalTensorMode carries: it gets
-the full check, gradients included."""
+                aten.uniform.default, aten.normal_functional.default, aten.exponential.default,
+                aten.scaled_dot_product_attention.default}
+"""Ops whose local implementation computes with the rank's coordinate as an
+int: the random ops seed each shard's draw by it, causal attention with its
+queries' sequence split (context parallelism) narrows the keys to those its
+chunk sees. The masked embedding lookup computes with the coordinate only in
+tensor arithmetic, which LocalTensorMode carries: it gets the LocalTensorMode check."""
 
 
 def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
-    """Forward check of an op that has its own local implementation in
-    autopar.spmd (the random ops), rank by rank on plain tensors:
-    such implementations compute with the rank's coordinate, which
-    LocalTensorMode cannot carry into Python integers."""
+    """Check of an op that has its own local implementation in autopar.spmd,
+    rank by rank on plain tensors: such implementations compute with the
+    rank's coordinate, which LocalTensorMode cannot carry into Python
+    integers. Outputs, and for deterministic ops the input gradients of a
+    random cotangent (each rank given its piece), reassembled by the
+    placements codegen assumes, equal the single-device op's."""
     from autopar import spmd
 
     flat, spec = pytree.tree_flatten((sample.args, sample.kwargs))
     tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    refs, cots, ref_grads, _ = _reference(sample, flat, spec, tensors)
+    if not sample.values:
+        ref_grads = {}
     local_in = {i: place(flat[i], s, mesh_shape, seed=1000 + k)
                 for k, (i, s) in enumerate(zip(tensors, strategy.inputs))}
-    outs = {}
-    for r, c in enumerate(_coords(mesh_shape)):
-        a, kw = pytree.tree_unflatten([local_in[i][r] if i in local_in else v for i, v in enumerate(flat)], spec)
-        outs[r] = spmd.LOCAL_IMPLS[sample.target](sample.target, _RankMesh(c, mesh_shape),
-                                                  spmd._strategy(str(strategy), len(mesh_shape)), a, kw)
     out_spec = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
+    cot = place(cots[0], producer_grad_spec(strategy.output), mesh_shape, 0) if ref_grads else {}
+    outs, grads = {}, {}
+    for r, c in enumerate(_coords(mesh_shape)):
+        mine = {i: local_in[i][r].detach().requires_grad_() if i in ref_grads else local_in[i][r] for i in local_in}
+        a, kw = pytree.tree_unflatten([mine.get(i, v) for i, v in enumerate(flat)], spec)
+        out = spmd.LOCAL_IMPLS[sample.target](sample.target, _RankMesh(c, mesh_shape),
+                                              spmd._strategy(str(strategy), len(mesh_shape)), a, kw)
+        if ref_grads:
+            _real(out * cot[r]).sum().backward()
+            grads[r] = {i: mine[i].grad for i in ref_grads}
+        outs[r] = out.detach()
     try:
         full = assemble(outs, out_spec, mesh_shape)  # replicas must agree
     except AssertionError as e:
         return [f"output: {e}"]
-    ref = sample.target(*sample.args, **sample.kwargs)
+    ref = refs[0]
     if not sample.values:  # random draws: the shape, and replicas alike
         return [] if full.shape == ref.shape else [f"output: shape {tuple(full.shape)}, expected {tuple(ref.shape)}"]
     if not _close(full, ref):
         return [f"output: values differ from the single-device op (max abs error {(full - ref).abs().max().item()})"]
-    return []
+    problems = []
+    placed = use_grads(strategy)
+    for i, want in ref_grads.items():
+        k = tensors.index(i)
+        problems += _differs({r: g[i] for r, g in grads.items()}, placed[k], mesh_shape, want,
+                             f"input {k}: gradient placed {fmt_spec(placed[k])}")
+    return problems
 
 
 def check(sample: Sample, strategy, mesh_shape) -> list[str]:
