@@ -85,6 +85,10 @@ class _SingleDevice(nn.Module):
     def load_state_dict(self, *args, **kwargs):
         return self.model.load_state_dict(*args, **kwargs)
 
+    def optimizer(self, optimizer_class, params=None, **kwargs) -> torch.optim.Optimizer:
+        """``optimizer_class`` over the parameters (ParallelModule.optimizer's counterpart)."""
+        return optimizer_class(self.parameters() if params is None else params, **kwargs)
+
 
 def _decorate(cls, **options):
     """Wrap an nn.Module subclass: instances compile on first call and run the plan.

@@ -28,7 +28,7 @@ def _compile(args) -> int:
                         opt_level=args.opt_level, time_limit_s=args.time_limit, relative_gap=args.gap,
                         solver=args.solver, source=args.source, deterministic=args.deterministic,
                         pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule,
-                        cache=args.cache)
+                        cache=args.cache, offload=not args.no_offload)
     plan.save(args.output)
     if args.coverage:
         if plan.fallbacks:
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="microbatches per step: a pipeline's, or, without one, gradient accumulation "
                         "(default: chosen by the planner for a pipeline, 1 without)")
     c.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], help="pipeline schedule")
+    c.add_argument("--no-offload", action="store_true",
+                   help="keep every parameter's optimizer state in device memory (by default the planner may keep "
+                        "some in host memory, updated there, where device memory binds and the cluster has a host)")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     c.add_argument("--gap", type=float, default=1e-4, help="relative MIP gap at which the solver stops")
     c.add_argument("--deterministic", action="store_true",

@@ -20,7 +20,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             source: str | None = None, parameter_placements: dict | None = None,
             cluster_layers: bool | None = None, deterministic: bool = False,
             pipeline_stages: int | str | None = None, microbatches: int | None = None,
-            schedule: str | None = None, cache: str | None = None) -> Plan:
+            schedule: str | None = None, cache: str | None = None, offload: bool = True) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
@@ -38,6 +38,11 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     what was compiled before returns the stored plan without solving, and a
     pipeline search reuses the layer classes solved before (by any model
     built of the same layers).
+
+    ``offload``: whether parameters may keep their optimizer state in host
+    memory, updated there (ZeRO-Offload; where the cluster describes its
+    host; plans without a pipeline), which the planner chooses per
+    parameter where device memory binds.
 
     ``time_limit_s`` bounds the whole compile: a plan the solver has not
     proven optimal by then is the best found, and the plan
@@ -62,7 +67,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
                          optimizer=optimizer, precision=precision, recompute=recompute, opt_level=opt_level,
                          time_limit_s=time_limit_s, relative_gap=relative_gap, solver=solver, source=source,
                          parameter_placements=parameter_placements, cluster_layers=cluster_layers,
-                         deterministic=deterministic, cache=cache)
+                         deterministic=deterministic, cache=cache, offload=offload)
         plan.solver["pipelining"] = why
         return plan
     if parameter_placements:

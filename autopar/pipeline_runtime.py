@@ -465,6 +465,11 @@ class PipelinedModule(nn.Module):
         for z in self._zero1.values():
             z.gather()
 
+    def optimizer(self, optimizer_class, params=None, **kwargs) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this stage's parameters (ParallelModule.optimizer's
+        counterpart: pipelined plans keep optimizer state on the device)."""
+        return optimizer_class(self.parameters() if params is None else params, **kwargs)
+
     def state_dict(self, *args, **kwargs):
         self._refresh()
         full = self._gather({fqn: p for fqn, p in self._local.items()})

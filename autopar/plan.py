@@ -160,6 +160,8 @@ class Plan:
                  f"{{fqn: {{placements, shape, local_shape}}}}, got {obj['parameters']!r:.80}", None)
         for fqn, p in obj["parameters"].items():
             _check_tensor(f"plan parameter {fqn!r}", p, mesh)
+            _require(p.get("offload", False) in (True, False), f"plan parameter {fqn!r}: 'offload' must be true or "
+                     f"false (its optimizer state in host memory), got {p.get('offload')!r}", p)
         _require(isinstance(obj["inputs"], list), "plan field 'inputs' must be a list of "
                  f"{{placements, shape, local_shape}}, got {obj['inputs']!r:.80}", None)
         for i, x in enumerate(obj["inputs"]):
@@ -210,7 +212,7 @@ def _require(ok: bool, message: str, value) -> None:
 
 PREDICTED_REQUIRED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
 PREDICTED_OPTIONAL = ("bubble_s", "mfu", "optimizer_s", "memory_capacity_bytes", "grad_sync_s",
-                      "grad_sync_exposed_s", "model_flops")
+                      "grad_sync_exposed_s", "model_flops", "host_memory_bytes", "host_capacity_bytes")
 """The predicted fields that `show`, `diff` and `viz` read as numbers."""
 
 

@@ -24,7 +24,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
     needs_grad, node_compute,
-    gather_transient, gathers, optimizer_time, produced, replays, saves_input, step_temporaries,
+    gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
@@ -43,7 +43,8 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
               optimizer: str = "adamw", precision: str = "fp32", recompute: str = "auto", opt_level: int = 1,
               time_limit_s: float = 60.0, relative_gap: float = 1e-4, solver: str = "HIGHS",
               source: str | None = None, parameter_placements: dict | None = None,
-              cluster_layers: bool | None = None, deterministic: bool = False, cache: str | None = None) -> Plan:
+              cluster_layers: bool | None = None, deterministic: bool = False, cache: str | None = None,
+              offload: bool = True) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without a pipeline
     (``autopar.compile`` says what each argument means). The time limit
     bounds the whole of it, capture included."""
@@ -59,7 +60,7 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
             memory=memory, optimizer=optimizer, precision=precision, recompute=recompute, opt_level=opt_level,
             time_limit_s=time_limit_s, relative_gap=relative_gap, solver=solver, source=source,
             parameter_placements=parameter_placements, cluster_layers=cluster_layers,
-            deterministic=deterministic))
+            deterministic=deterministic, offload=offload))
         hit = plancache.load(cache, key)
         if hit is not None:
             if not deterministic:
@@ -67,6 +68,8 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
             return hit
     with phases("strategies"):
         strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
+        if not (offload and cluster.host is not None):  # no offload twins in the ILP at all
+            strategies = {name: [s for s in ss if not s.offload] for name, ss in strategies.items()}
         notes = _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
     with phases("cluster"):
         if opt_level not in (1, 2):
@@ -77,7 +80,7 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
         classes = _Classes(graph, layers)
         pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
     with phases("solve"):
-        ctx = CostContext.make(mesh.shape, cluster, optimizer, precision)
+        ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload)
         budget = memory if memory is not None else cluster.device.memory
         try:
             solution, rc = _solve_with_recompute(
@@ -163,7 +166,7 @@ def _replicated(graph: Graph, strategies: dict, pinned: dict, wall_s: float):
     from autopar.solver import Solution
     choice = {}
     for name, options in strategies.items():
-        flat = [i for i, s in enumerate(options) if not s.regather and all(
+        flat = [i for i, s in enumerate(options) if not s.regather and not s.offload and all(
             isinstance(p, Replicate) for spec in (*s.inputs, s.output) for p in spec)]
         choice[name] = pinned.get(name, flat[0] if flat else 0)
     return Solution(choice, "TIME LIMIT", math.nan, wall_s, 0, 0, 0.0,
@@ -337,10 +340,12 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> di
             raise AutoparError(f"cannot pin {fqn!r}: the model has no such parameter")
         name = graph.params[fqn]
         spec = list(spec)
+        offload = bool(spec) and spec[-1] == "offload"  # optimizer state on the host
+        spec = spec[:-1] if offload else spec
         regather = bool(spec) and spec[-1] == "regather"  # ZeRO-3: gathered copies not kept for backward
         text = "".join(spec[:-1] if regather else spec)
         for i, s in enumerate(strategies[name]):
-            if fmt_spec(s.output) == text and s.regather == regather:
+            if fmt_spec(s.output) == text and s.regather == regather and s.offload == offload:
                 rep = classes[name]
                 if shared.get(rep, i) != i:
                     raise AutoparError(f"cannot pin {fqn} to {text}: it shares its layer class's placement "
@@ -348,9 +353,10 @@ def _pins(graph: Graph, strategies: dict, placements: dict, classes: dict) -> di
                 shared[rep] = pins[name] = i
                 break
         else:
-            valid = [fmt_spec(s.output) + (" regather" if s.regather else "") for s in strategies[name]]
-            raise AutoparError(f"cannot pin {fqn} to {' '.join(spec)}: valid placements for it are {valid} "
-                               "(a trailing 'regather' asks for ZeRO-3: shards gathered again in backward)")
+            valid = [fmt_spec(s.output) + " regather" * s.regather + " offload" * s.offload for s in strategies[name]]
+            raise AutoparError(f"cannot pin {fqn} to {' '.join(spec + ['offload'] * offload)}: valid placements for "
+                               f"it are {valid} (a trailing 'regather' asks for ZeRO-3: shards gathered again in "
+                               "backward; then 'offload' for its optimizer state in host memory)")
     return pins
 
 
@@ -456,7 +462,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         shape = graph.nodes[ph].out.shape
         params[fqn] = {"placements": [fmt_spec((p,)) for p in spec], "shape": list(shape),
                        "local_shape": list(local_shape(shape, spec, ms)), "dtype": str(graph.nodes[ph].out.dtype),
-                       **zero_stage(spec, ph in gathered, chosen[ph].regather, ms)}
+                       **zero_stage(spec, ph in gathered, chosen[ph].regather, ms),
+                       **({"offload": True} if chosen[ph].offload else {})}
     inputs = []
     for node in graph.nodes.values():
         if node.kind is NodeKind.INPUT:
@@ -481,6 +488,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         "optimizer_s": optimizer_s, "grad_sync_s": sync_s, "grad_sync_exposed_s": exposed_sync,
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
+        **_host_memory(graph, chosen, ctx),
         "model_flops": total_flops,
         "mfu": total_flops / (step * mesh.size * ctx.cluster.device.flops(ctx.precision)) if step > 0 else 0.0,
         "precision": ctx.precision,
@@ -496,6 +504,18 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
               "variables": solution.variables, "constraints": solution.constraints, **solution.extra}
     return Plan(mesh, ctx.cluster.to_json(), topology, model, params, inputs, nodes, collectives,
                 predicted, solver)
+
+
+def _host_memory(graph: Graph, chosen: dict, ctx: CostContext) -> dict:
+    """Host memory per device the plan's offloaded optimizer state takes, and
+    each device's share of its node's host memory (absent where nothing is
+    offloaded)."""
+    held = sum(host_bytes(n, chosen[n.name], ctx) for n in graph.nodes.values())
+    if not held:
+        return {}
+    host = ctx.cluster.host
+    return {"host_memory_bytes": held,
+            "host_capacity_bytes": host.memory / ctx.cluster.devices_per_node if host is not None else None}
 
 
 def zero_stage(spec: tuple, gathered: bool, regather: bool, mesh_shape: tuple) -> dict:

@@ -30,13 +30,15 @@ ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
 def parameter_rows(plan: Plan, all_rows: bool = False) -> list[tuple]:
     groups: dict = defaultdict(list)
     for fqn, p in plan.parameters.items():
-        key = fqn if all_rows else (layer_class(fqn), tuple(p["placements"]), p.get("zero_stage"))
+        key = fqn if all_rows else (layer_class(fqn), tuple(p["placements"]), p.get("zero_stage"),
+                                    p.get("offload", False))
         groups[key].append((fqn, p))
     rows = []
     for key, members in groups.items():
         fqn, p = members[0]
         name = fqn if all_rows or len(members) == 1 else f"{layer_class(fqn)} (x{len(members)})"
-        rows.append((name, " ".join(p["placements"]), ZERO_LABELS.get(p.get("zero_stage", "unknown"), "-"),
+        held = ZERO_LABELS.get(p.get("zero_stage", "unknown"), "-") + (", optimizer on host" if p.get("offload") else "")
+        rows.append((name, " ".join(p["placements"]), held,
                      "x".join(map(str, p["shape"])), "x".join(map(str, p["local_shape"]))))
     return rows
 
@@ -64,11 +66,14 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
 
     mem = Table(title="memory per device", title_justify="left")
     kinds = ("parameters", "gradients", "optimizer", "activations", "buffers", "inputs")
-    for col in (*kinds, "peak", "capacity"):
+    host = pred.get("host_memory_bytes")
+    for col in (*kinds, "peak", "capacity", *(("on host", "host share") if host else ())):
         mem.add_column(col, justify="right")
     m = pred.get("memory", {})
+    share = pred.get("host_capacity_bytes")
     mem.add_row(*(fmt_bytes(m.get(k, 0.0)) for k in kinds),
-                fmt_bytes(pred["peak_memory_bytes"]), fmt_bytes(pred.get("memory_capacity_bytes", 0.0)))
+                fmt_bytes(pred["peak_memory_bytes"]), fmt_bytes(pred.get("memory_capacity_bytes", 0.0)),
+                *((fmt_bytes(host), fmt_bytes(share) if share else "-") if host else ()))
     con.print(mem)
 
     params = Table(title="parameters" + ("" if all_nodes else " (per layer class; --all for every one)"),

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_unflatten, treespec_loads
 
 from autopar import errors, rankcheck, spmd
 from autopar.errors import AutoparError, FactoryError, InputError, LaunchError
+from autopar.offload import OffloadOptimizer, is_offloaded, mark_offloaded
 from autopar.passes.strategy import parse_spec
 from autopar.plan import Plan
 from autopar.tracebacks import format_frames, user_frames
@@ -207,6 +208,21 @@ class ParallelModule(nn.Module):
         self._order = plan.model.get("placeholders") or []
         self._out_spec = treespec_loads(plan.model["out_spec"])
         self.loss_fn = loss_fn
+        mark_offloaded(p for fqn, p in model.named_parameters(remove_duplicate=False)
+                       if plan.parameters.get(fqn, {}).get("offload"))
+
+    def optimizer(self, optimizer_class, params=None, **kwargs) -> torch.optim.Optimizer:
+        """``optimizer_class(params, **kwargs)`` (params: this module's
+        parameters, or the groups given) as the plan runs it: where the plan
+        keeps some parameters' optimizer state in host memory ("offload"),
+        an ``autopar.offload.OffloadOptimizer`` that updates those there;
+        otherwise the plain optimizer. Elementwise optimizers (SGD, Adam,
+        AdamW) then train exactly like one device."""
+        params = list(self.parameters()) if params is None else list(params)
+        flat = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
+        if any(is_offloaded(p) for p in flat):
+            return OffloadOptimizer(params, optimizer_class, **kwargs)
+        return optimizer_class(params, **kwargs)
 
     @property
     def module(self) -> nn.Module:

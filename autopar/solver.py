@@ -27,9 +27,8 @@ from ortools.linear_solver import pywraplp
 
 from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
-    CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown, needs_grad,
-    step_temporaries,
-    node_compute, node_memory, optimizer_time,
+    CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
+    needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
@@ -103,6 +102,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     # where no plan can exceed the budget (``most``), its rows cannot bind: left out
     bounded = memory_budget is not None and ilp.most > memory_budget
     rows = ilp.budget_rows(memory_budget) if bounded else []
+    ilp.host_rows()
     built = time.perf_counter() - t0
     left = lambda: time_limit_s - (time.perf_counter() - t0)  # noqa: E731  the limit covers building too
     result, status, params = ilp.solve(left(), relative_gap)
@@ -167,6 +167,7 @@ class _ILP:
         self.always: dict = {}
         self.late: dict = {}
         self.mem: dict = {}
+        self.host: dict = {}  # x variable -> host bytes (offloaded optimizer state, graph_costs.host_bytes)
         self.timeline = Timeline(graph, recomputed)
         self.first_use = first_consumers(graph)
         # Gradient synchronisation hides under backward compute where the
@@ -200,6 +201,10 @@ class _ILP:
                 for i, v in enumerate(x):
                     if i != pinned[name]:
                         v.SetUb(0)
+            elif not ctx.can_offload:  # no host described, or offload forbidden
+                for st, v in zip(strategies[name], x):
+                    if st.offload:
+                        v.SetUb(0)
             node, backward = graph.nodes[name], name in self.grad
             priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
                              optimizer_time(node, st, ctx) if optimizer_step else 0.0)
@@ -220,6 +225,7 @@ class _ILP:
                 _add(self.always, v, kept_all)
                 _add(self.mem, v, kept_all + acts)
                 _add(self.late, v, later)
+                _add(self.host, v, host_bytes(graph.nodes[name], strategies[r][i], ctx))
                 self.timeline.activation(name, v, acts)
 
     def working_sets(self) -> None:
@@ -479,12 +485,25 @@ class _ILP:
             count_off = 0
             for name, vs in self.x.items():
                 for i, st in enumerate(self.strategies[name]):
-                    if st.regather and not (pinned and pinned.get(name) == i):
+                    if (st.regather or st.offload) and not (pinned and pinned.get(name) == i):
+                        count_off += vs[i].ub() > 0
                         vs[i].SetUb(0)
-                        count_off += 1
             if count_off:
-                pruned["regather (ZeRO-3) choices: memory cannot bind"] = count_off
+                pruned["regather (ZeRO-3) and offload choices: memory cannot bind"] = count_off
         return pruned
+
+    def host_rows(self) -> list:
+        """The host memory row: offloaded state within each device's share of
+        its node's host memory."""
+        host = self.ctx.cluster.host
+        terms = {v: b for v, b in self.host.items() if b}
+        if host is None or not terms:
+            return []
+        mib = 2**20
+        row = self.model.Constraint(-self.model.infinity(), host.memory / self.ctx.cluster.devices_per_node / mib)
+        for v, b in terms.items():
+            row.SetCoefficient(v, b / mib)
+        return [row]
 
     def budget_rows(self, budget: float) -> list:
         return _budget_rows(self.model, self.graph, self.rep, self.timeline, self.always, self.late, budget)
@@ -661,7 +680,7 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
             least[node.name] = 0.0
             continue
         least[node.name] = min(node_memory(node, s, ctx, kept_share.get(node.name, 0.0))
-                               for s in strategies[node.name])
+                               for s in strategies[node.name] if ctx.can_offload or not s.offload)
     need = sum(least.values()) if need is None else need
     top = sorted(least.items(), key=lambda kv: -kv[1])[:5]
     from autopar.units import fmt_bytes
@@ -669,9 +688,19 @@ def _infeasible(graph, strategies, ctx, grad, budget, recomputed, need: float | 
     return InfeasibleError(
         f"no plan fits in {fmt_bytes(budget)} per device: the smallest plan needs at least "
         f"{fmt_bytes(need)} per device (biggest contributors: {parts}); "
-        f"give more memory per device or a larger mesh",
+        f"give more memory per device or a larger mesh{_offload_hint(ctx)}",
         needed_bytes=need,
     )
+
+
+def _offload_hint(ctx) -> str:
+    """What an InfeasibleError says about offloading optimizer state."""
+    if ctx.can_offload:
+        return " (keeping optimizer state in host memory was considered)"
+    if ctx.cluster.host is None:
+        return (f"; cluster {ctx.cluster.name!r} describes no host memory to offload optimizer state to "
+                "(a \"host\" section, docs/clusters.md)")
+    return "; offloading optimizer state to the host is off (offload=False, --no-offload): allowing it may fit"
 
 
 SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))

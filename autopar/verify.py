@@ -220,7 +220,7 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
         from autopar.passes.strategy import parse_spec
         run_inputs = tuple(shard_of(x, parse_spec("".join(i["placements"]), mesh_.ndim), device_mesh)
                            for x, i in zip(inputs, plan.inputs))
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     dtype = lowest_precision(graph)
     report = {"loss": [], "grad": 0.0, "random_draws": draws, "dtype": str(dtype), "float32_rounding": rounding}
@@ -264,6 +264,8 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
                       "strategies": {n.name: n.strategy for n in plan.nodes},
                       "parameters": {k: v["placements"] for k, v in plan.parameters.items()},
                       "zero_stages": {k: v.get("zero_stage") for k, v in plan.parameters.items()},
+                      "offloaded": [k for k, v in plan.parameters.items() if v.get("offload")],
+                      "optimizer": type(opt).__name__,
                       "collectives": len(plan.collectives)}
     return report
 
@@ -333,6 +335,7 @@ def main(argv=None):
                     "hide a wrong result; float64: cast any model's floating tensors to float64; model: its own dtypes")
     ap.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
     ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
+    ap.add_argument("--no-offload", action="store_true", help="compile without offloading optimizer state")
     ap.add_argument("--json", help="write the report here (rank 0)")
     args = ap.parse_args(argv)
     reports = []
@@ -340,7 +343,8 @@ def main(argv=None):
         name = source if len(args.sources) > 1 else ""
         for mesh in args.mesh:
             r = check(source, mesh, args.cluster, args.steps, plan_path=args.plan, local_inputs=args.local_inputs,
-                      tol=args.tol, precision=args.precision, recompute=args.recompute, memory=args.memory)
+                      tol=args.tol, precision=args.precision, recompute=args.recompute, memory=args.memory,
+                      offload=not args.no_offload)
             reports.append({**r, "source": source, "mesh": mesh, "label": f"{name} mesh {mesh}, solved plan".strip()})
             for seed in range(args.random_plans):
                 r = check(source, mesh, args.cluster, args.steps, random_seed=seed, tol=args.tol,

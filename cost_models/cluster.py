@@ -56,6 +56,29 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """The host memory of a node, where a plan may offload optimizer state
+    and run its update (ZeRO-Offload, Ren et al. 2021)."""
+
+    memory: float
+    """Host memory per node, bytes (its devices share it)."""
+    link_bandwidth: float
+    """Bytes/s per direction between one device and host memory (the
+    device's PCIe or chip-to-chip link), per device."""
+    memory_bandwidth: float
+    """Bytes/s of the node's host memory (all its sockets): the host
+    optimizer streams its state through it, shared by the node's devices."""
+    link_latency: float = 10e-6
+    """Seconds per transfer (a copy's launch and completion)."""
+
+    def __post_init__(self):
+        _positive("host", "memory (bytes)", self.memory)
+        _positive("host", "link_bandwidth (bytes/s)", self.link_bandwidth)
+        _positive("host", "memory_bandwidth (bytes/s)", self.memory_bandwidth)
+        _positive("host", "link_latency (s)", self.link_latency, allow_zero=True)
+
+
+@dataclass(frozen=True)
 class Device:
     """One accelerator (or one CPU rank).
 
@@ -221,6 +244,9 @@ class Cluster:
     ``autopar compile``)."""
     calibration: dict | None = None
     """Raw measurements behind a calibrated profile (informational; see cost_models/calibrate.py)."""
+    host: Host | None = None
+    """The nodes' host memory and the devices' links to it; None where the
+    description has none: the planner then offloads nothing."""
 
     def __post_init__(self):
         where = f"cluster {self.name!r}"
@@ -253,8 +279,9 @@ class Cluster:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        if out["calibration"] is None:
-            del out["calibration"]
+        for optional in ("calibration", "host"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
     @classmethod
@@ -271,6 +298,12 @@ class Cluster:
                 top[level] = Link(**_fields_of(Link, obj[level], where))
             except ClusterError as e:
                 raise ClusterError(f"{where}: {str(e).removeprefix('link: ')}") from None
+        if top.get("host") is not None:
+            where = f"cluster {name!r}: host"
+            try:
+                top["host"] = Host(**_fields_of(Host, top["host"], where))
+            except ClusterError as e:
+                raise ClusterError(f"{where}: {str(e).removeprefix('host: ')}") from None
         return cls(**top)
 
 
@@ -462,23 +495,41 @@ NVLINK2 = Link(120 * GB, 5e-6)
 IB_HDR = Link(24 * GB, 10e-6)
 IB_NDR = Link(48 * GB, 10e-6)
 
+# Host memory and links (offload). Links per direction: PCIe 4.0 x16 carries
+# 16 GT/s x 16 lanes x 128/130 encoding = 31.5 GB/s, PCIe 5.0 x16 twice that,
+# PCIe 3.0 x16 (8 GT/s) half (PCI-SIG base specifications; the A100, H100 SXM
+# and V100 datasheets list their host interface as PCIe Gen4, Gen5, Gen3 x16).
+# Host memory bandwidth: channels x transfer rate x 8 bytes per socket, two
+# sockets: DGX A100's AMD EPYC 7742, 8 channels DDR4-3200 (204.8 GB/s each);
+# DGX H100's Intel Xeon Platinum 8480C, 8 channels DDR5-4800 (307.2 GB/s each);
+# p3.16xlarge's Xeon E5-2686 v4, 4 channels DDR4-2400 (76.8 GB/s each).
+# Host memory: 2 TB in DGX A100 (640 GB) and DGX H100/H200 (NVIDIA DGX user
+# guides), 488 GiB on p3.16xlarge (AWS instance table).
+PCIE3_X16, PCIE4_X16, PCIE5_X16 = 15.75 * GB, 31.5 * GB, 63 * GB
+DGX_A100_HOST = Host(2000 * GB, PCIE4_X16, 2 * 204.8 * GB)
+DGX_H100_HOST = Host(2000 * GB, PCIE5_X16, 2 * 307.2 * GB)
+
 register_cluster(Cluster(
     "dgx-a100", A100_80GB, 8, NVLINK3, IB_HDR,
     source="Selene-like DGX A100: 8 x A100 80GB on NVSwitch, 8 x HDR 200 Gb/s per node",
+    host=DGX_A100_HOST,
 ))
 register_cluster(Cluster(
     "dgx-h100", H100_80GB, 8, NVLINK4, IB_NDR,
+    host=DGX_H100_HOST,
     source="DGX H100: 8 x H100 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
     caveat=HOPPER_EFFICIENCIES_NOTE + H100_CHECKED,
 ))
 register_cluster(Cluster(
     "h200", H200, 8, NVLINK4, IB_NDR,
+    host=DGX_H100_HOST,
     source="HGX H200: 8 x H200 SXM on NVSwitch (NVLink4), 8 x NDR 400 Gb/s per node",
     caveat=HOPPER_EFFICIENCIES_NOTE + "no H200 run has been checked; on the H100, which has the same compute, "
            + H100_CHECKED,
 ))
 register_cluster(Cluster(
     "p3.16xlarge", V100_32GB, 8, NVLINK2, Link(25e9 / 8 / 8, 30e-6),
+    host=Host(488 * 2**30, PCIE3_X16, 2 * 76.8 * GB),
     source="AWS p3.16xlarge: 8 x V100 on NVLink2 (300 GB/s bidirectional), 25 Gb/s Ethernet per instance",
     caveat=BORROWED_EFFICIENCIES + "no published V100 run has been checked",
 ))

@@ -104,14 +104,23 @@ class CostContext:
     optimizer: str = "adamw"
     precision: str = "fp32"
     """Compute dtype: fp32, or bf16/fp16 mixed precision (fp32 master weights)."""
+    offload: bool = True
+    """Whether the planner may keep optimizer state on the host (where the
+    cluster describes a host: ``can_offload``)."""
+
+    @property
+    def can_offload(self) -> bool:
+        return self.offload and self.cluster.host is not None
 
     @classmethod
-    def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32") -> "CostContext":
+    def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32",
+             offload: bool = True) -> "CostContext":
         if optimizer not in OPTIMIZER_STATES:
             raise AutoparError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
         if precision not in PRECISIONS:
             raise AutoparError(f"precision {precision!r} is not one of {PRECISIONS}")
-        return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision)
+        return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision,
+                   bool(offload))
 
     def tensor_bytes(self, meta) -> float:
         """Bytes of a tensor in the compute dtype (floating tensors follow the precision)."""
@@ -316,7 +325,10 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
     ms = ctx.mesh_shape
     if node.kind is NodeKind.PARAM:
         elements = math.prod(node.out.shape) / shard_factor(s.output, ms)
-        return {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer, node.out.dtype.itemsize).items()}
+        held = {k: b * elements for k, b in param_bytes(ctx.precision, ctx.optimizer, node.out.dtype.itemsize).items()}
+        if s.offload:  # on the host (host_bytes)
+            held["optimizer"] = 0.0
+        return held
     if node.kind in (NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT):
         return {"inputs": node.out.nbytes / shard_factor(s.output, ms)}
     if node.kind is NodeKind.OP and kept and not is_view(node):
@@ -338,8 +350,9 @@ def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext, itemsize: i
 
 
 def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
-    """``optimizer_step_bytes`` of one parameter's local shard."""
-    if node.kind is not NodeKind.PARAM:
+    """``optimizer_step_bytes`` of one parameter's local shard (none on the
+    device where its update runs on the host)."""
+    if node.kind is not NodeKind.PARAM or s.offload:
         return 0.0
     return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx, node.out.dtype.itemsize)
 
@@ -365,10 +378,42 @@ def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
     if node.kind is not NodeKind.PARAM:
         return 0.0
     elements = math.prod(node.out.shape) / shard_factor(s.output, ctx.mesh_shape)
+    if s.offload:
+        return offload_time(elements, node.out.dtype.itemsize, ctx)
     ops, nbytes = OPTIMIZER_PASSES[ctx.optimizer]
     device = ctx.cluster.device
     launches = ops * device.op_latency if ctx.cluster.backend == "gloo" else 0.0
     return launches + elements * nbytes / device.streaming_bandwidth
+
+
+def host_bytes(node: Node, s: Strategy, ctx: CostContext) -> float:
+    """Host memory an offloaded parameter's shard takes: its optimizer state,
+    and the host's copy of its values and of its gradient, which the update
+    reads and writes there (autopar/runtime.py, OffloadOptimizer)."""
+    if node.kind is not NodeKind.PARAM or not s.offload:
+        return 0.0
+    elements = math.prod(node.out.shape) / shard_factor(s.output, ctx.mesh_shape)
+    kinds = param_bytes(ctx.precision, ctx.optimizer, node.out.dtype.itemsize)
+    return elements * (kinds["optimizer"] + kinds["parameters"] + kinds["gradients"])
+
+
+def offload_time(elements: float, itemsize: int, ctx: CostContext) -> float:
+    """One step of an offloaded shard of ``elements``: its gradient to the
+    host and its new values back over the device's host link, and
+    torch.optim's update there (``OPTIMIZER_PASSES`` bytes per element
+    through the node's host memory, shared by its devices). Priced on the
+    step's critical path: the update needs the whole gradient and the next
+    forward its result (ZeRO-Offload's one-step-delayed update, which hides
+    it, changes the training and is not done). Where the cluster describes
+    no host (a CPU rank's own memory), at the device's streaming bandwidth."""
+    host, device = ctx.cluster.host, ctx.cluster.device
+    kinds = param_bytes(ctx.precision, ctx.optimizer, itemsize)
+    moved = elements * (kinds["gradients"] + kinds["parameters"])
+    _, nbytes = OPTIMIZER_PASSES[ctx.optimizer]
+    if host is None:
+        return (moved + elements * nbytes) / device.streaming_bandwidth
+    share = host.memory_bandwidth / ctx.cluster.devices_per_node
+    return 2 * host.link_latency + moved / host.link_bandwidth + elements * nbytes / share
 
 
 def node_memory(node: Node, s: Strategy, ctx: CostContext, kept: float) -> float:

@@ -126,3 +126,16 @@ def demo(batch: int = 8):
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     return model, (idx, target), lm_loss
+
+
+def gpt3_6_7b(batch: int = 8, layers: int = 32):
+    """FACTORY for the CLI: GPT-3 6.7B (Brown et al. 2020, Table 2.1: 32 layers,
+    d_model 4096, 32 heads, context 2048; GPT-2's vocabulary padded to 51200,
+    as Megatron-LM pads it), built on the meta device for planning, a batch of
+    ``batch`` sequences."""
+    cfg = GPTConfig(vocab=51200, seq=2048, hidden=4096, heads=32, layers=layers)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, cfg.seq, dtype=torch.long)
+        target = torch.zeros(batch, cfg.seq, dtype=torch.long)
+    return model, (idx, target), lm_loss

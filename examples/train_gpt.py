@@ -31,7 +31,7 @@ def main():
     if args.load:
         model.load_state_dict(torch.load(args.load))
     pmodel = autopar.autoparallelize(model, (idx, target), loss_fn=loss_fn, mesh=args.mesh, cluster=args.cluster)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-3)
     for step in range(args.steps):
         loss = pmodel(idx, target)
         loss.backward()

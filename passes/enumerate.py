@@ -1,6 +1,7 @@
 """Strategy enumeration: every node gets the list of strategies the ILP chooses from."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -63,10 +64,14 @@ def _node_strategies(node, graph, mesh_shape, done, fallbacks) -> list[Strategy]
         return expand_to_mesh(tensor_rows(node), mesh_shape, [], [node.out.shape])
     if k is NodeKind.PARAM:
         # a sharded parameter that a consumer gathers keeps the full copy until
-        # backward (ZeRO-2) or gathers it again there (regather: ZeRO-3)
+        # backward (ZeRO-2) or gathers it again there (regather: ZeRO-3); any
+        # of them may keep its optimizer state on the host (offload)
         specs = expand_to_mesh(tensor_rows(node), mesh_shape, [], [node.out.shape])
-        return specs + [Strategy(s.inputs, s.output, regather=True) for s in specs
-                        if any(isinstance(p, Shard) and mesh_shape[a] > 1 for a, p in enumerate(s.output))]
+        specs += [Strategy(s.inputs, s.output, regather=True) for s in specs
+                  if any(isinstance(p, Shard) and mesh_shape[a] > 1 for a, p in enumerate(s.output))]
+        if not node.out.dtype.is_floating_point:
+            return specs
+        return specs + [dataclasses.replace(s, offload=True) for s in specs]
     if k in (NodeKind.BUFFER, NodeKind.CONSTANT):
         return [Strategy((), (R,) * len(mesh_shape))]
     if k is NodeKind.OUTPUT:

@@ -93,6 +93,10 @@ class Strategy:
     output has its batch on dim 0, its final states on dim 1): a Spec per
     output, ``output`` being the first. None: every output is placed as
     ``output``."""
+    offload: bool = False
+    """Parameters only (ZeRO-Offload): its optimizer state lives in host memory
+    and its update runs there; each step its gradient goes to the host and the
+    updated values come back."""
 
     def item(self, k: int) -> Spec:
         """The placement of output ``k`` (what a ``getitem`` of it receives)."""
@@ -101,7 +105,7 @@ class Strategy:
     def __str__(self) -> str:
         out = f"({', '.join(fmt_spec(s) for s in self.items)})" if self.items else fmt_spec(self.output)
         text = f"({', '.join(fmt_spec(s) for s in self.inputs)}) -> {out}"
-        return text + " regather" if self.regather else text
+        return text + " regather" * self.regather + " offload" * self.offload
 
     def splits(self, axis: int) -> bool:
         """Whether the work of this op is divided over mesh axis ``axis``."""

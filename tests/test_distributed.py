@@ -326,6 +326,26 @@ random). Each
         assert attention and all(s.endswith(f"-> {want}") for s in attention), (r["label"], attention)
 
 
+def test_offloaded_optimizer_state_trains_like_one_device(tmp_path):
+    """Optimizer state in host memory (autopar/offload.py), one launch on 4
+    gloo ranks: the GPT's plan solved under a device budget that only
+    offloading meets (tests/fixtures/hostnet.json: a host to offload to), and
+    random plans of the GPT and the Llama, which offload about half their
+    parameters, ZeRO-2 and -3 shards among them. The optimizer verify builds
+    (``pmodel.optimizer``) updates those on the host; each trains like one
+    device."""
+    reports = verify(["examples/gpt.py:small", "examples/llama.py:small"], "4", 4, tmp_path,
+                     cluster="tests/fixtures/hostnet.json", extra=["--memory", "8e5"])
+    assert len(reports) == 4
+    assert_agrees(reports)
+    gpt_solved = next(r for r in reports if r["source"] == "examples/gpt.py:small" and "solved" in r["label"])
+    assert gpt_solved["plan"]["offloaded"], "the budget needs offload"
+    for r in reports:
+        if "random" in r["label"]:
+            assert len(r["plan"]["offloaded"]) >= 4, r["label"]
+        assert r["plan"]["optimizer"] == ("OffloadOptimizer" if r["plan"]["offloaded"] else "AdamW"), r["label"]
+
+
 def test_measured_step_of_the_collective_chain():
     """autopar.measure, which `autopar calibrate` and docs/validation.md run:
     the collective chain's pinned Megatron pairs cannot run without

@@ -88,6 +88,7 @@ def parameter_heavy():
         model = GPT(cfg)
         idx = torch.randint(0, 1024, (8, 128))
     cluster = {**get_cluster("dgx-a100").to_json(), "name": "a100-one-per-node", "devices_per_node": 1}
+    del cluster["host"]  # nothing to offload to: these tests are about ZeRO's stages (offload: tests/test_offload.py)
     return model, (idx, idx), lm_loss, cluster
 
 
@@ -128,7 +129,7 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     need = info.value.needed_bytes
     assert 50e6 < need < 70e6
     plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16",
-                           memory=need * 1.001, time_limit_s=6)
+                           memory=need * 1.001, time_limit_s=15)  # just above the least: the hardest solve
     assert plan.predicted["peak_memory_bytes"] <= need * 1.001
 
 
@@ -138,10 +139,10 @@ def test_regather_choices_are_pruned_only_where_memory_cannot_bind():
     says how many; under a tight budget they stay in play."""
     model, inputs, loss, cluster = parameter_heavy()
     free = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16", memory=1e12)
-    count = free.solver["pruned"]["regather (ZeRO-3) choices: memory cannot bind"]
+    count = free.solver["pruned"]["regather (ZeRO-3) and offload choices: memory cannot bind"]
     assert count > 0 and not any(p["regather"] for p in free.parameters.values())
     tight = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16", memory=75e6)
-    assert "regather (ZeRO-3) choices: memory cannot bind" not in tight.solver["pruned"] and any(p["regather"] for p in tight.parameters.values())
+    assert "regather (ZeRO-3) and offload choices: memory cannot bind" not in tight.solver["pruned"] and any(p["regather"] for p in tight.parameters.values())
 
 
 def test_zero_3_trades_communication_for_memory():

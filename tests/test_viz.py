@@ -417,6 +417,24 @@ def test_two_plans_side_by_side(browser, gpt_plan, tmp_path):
     page.screenshot(tmp_path / "cmp.png")
 
 
+def test_offloaded_plan_page_says_what_lives_on_the_host(browser, tmp_path):
+    """A plan that keeps optimizer state in host memory (tests/test_offload.py's
+    budget): the memory card states the host memory it takes, and the
+    parameter table marks each offloaded parameter."""
+    source = f"{ROOT}/examples/gpt.py:small"
+    model, inputs, loss_fn = load_factory(source)
+    plan = autopar.compile(model, inputs, mesh=4, cluster=f"{ROOT}/tests/fixtures/hostnet.json", loss_fn=loss_fn,
+                           source=source, memory=8e5)
+    offloaded = [k for k, p in plan.parameters.items() if p.get("offload")]
+    assert offloaded
+    page = open_page(browser, tmp_path, [plan], "offload.html")
+    text = page.eval("document.querySelector('#memory-chart .host-memory').textContent")
+    assert "of offloaded optimizer state" in text and f"({len(offloaded)} parameters)" in text
+    marked = page.eval("[...document.querySelectorAll('#param-table td.offload')]"
+                       ".map(td => td.parentElement.dataset.fqn)")
+    assert sorted(marked) == sorted(offloaded)
+
+
 # --------------------------------------------------------------------------- page without a browser
 
 def test_viz_cli_writes_one_self_contained_file(gpt_plan, tmp_path, capsys):

@@ -175,9 +175,10 @@ class _StageILP:
     def make(cls, captured: tuple, submesh: Mesh, microbatch: int, cluster, options: dict) -> "_StageILP":
         graph, layers, repeated = captured
         strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
-        # stages keep gathered parameters until backward (ZeRO-2 at most): the
-        # stage pricing below and the stage programs do not regather
-        strategies = {name: [s for s in ss if not s.regather] for name, ss in strategies.items()}
+        # stages keep gathered parameters until backward (ZeRO-2 at most) and
+        # their optimizer state on the device: the stage pricing below and the
+        # stage programs do not regather or offload
+        strategies = {name: [s for s in ss if not (s.regather or s.offload)] for name, ss in strategies.items()}
         # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
         ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), options["optimizer"],
                                options["precision"])

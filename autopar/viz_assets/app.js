@@ -500,7 +500,8 @@ function drawParams(parent, plan) {
   const wrap = el("div", {class: "table-wrap"}, parent);
   const t = el("table", {class: "params"}, wrap);
   const hr = el("tr", {}, el("thead", {}, t));
-  for (const h of ["parameter", ...plan.mesh.axis_names.map((a) => "on " + a), "shape", "local shape", "dtype"]) el("th", {}, hr, h);
+  for (const h of ["parameter", ...plan.mesh.axis_names.map((a) => "on " + a), "shape", "local shape", "dtype",
+                   "optimizer state"]) el("th", {}, hr, h);
   const tb = el("tbody", {}, t);
   for (const fqn of Object.keys(plan.parameters)) {
     const p = plan.parameters[fqn];
@@ -513,6 +514,7 @@ function drawParams(parent, plan) {
     el("td", {class: "mono"}, tr, p.shape.join("\u00d7"));
     el("td", {class: "mono"}, tr, (p.local_shape || []).join("\u00d7"));
     el("td", {class: "mono"}, tr, String(p.dtype || "").replace("torch.", ""));
+    el("td", {class: p.offload ? "offload" : "muted"}, tr, p.offload ? "host (offloaded)" : "device");
   }
   inp.addEventListener("input", () => {
     const q = inp.value.trim().toLowerCase();
@@ -684,6 +686,12 @@ function drawMemory(parent, plan) {
   }
   el("div", {class: "muted"}, parent, scaleToCap ? "red line: device capacity" :
      `scaled to usage: the device's ${fmtB(cap)} lie far off the scale`);
+  if (p.host_memory_bytes) {
+    const n = Object.values(plan.parameters).filter((q) => q.offload).length;
+    el("div", {class: "host-memory"}, parent, `host memory: ${fmtB(p.host_memory_bytes)} per device of offloaded ` +
+       `optimizer state (${n} parameters)` + (p.host_capacity_bytes ? `, of a ${fmtB(p.host_capacity_bytes)} share ` +
+       "of its node's host memory" : ""));
+  }
 }
 function rangeText(rs) {
   if (!rs.length) return "";
