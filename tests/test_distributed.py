@@ -83,12 +83,12 @@ def test_selective_recomputation_runs_the_attention_core_again(tmp_path):
 
 
 def test_zero_stage_3_gathers_parameters_again_in_backward(tmp_path):
-    """A budget that needs ZeRO-3 without recomputation: parameters stored
+    """A budget that needs ZeRO-3 without recomputation (or offload): parameters stored
     sharded, gathered for forward, freed, gathered again in backward (the
     regathered ones), their gradients reduce-scattered; the same training as
     one device."""
     reports = verify("examples/gpt.py:small", "4", 4, tmp_path, cluster="dgx-a100", random_plans=0,
-                     extra=["--recompute", "none", "--memory", str(1.3 * 2**20)])
+                     extra=["--recompute", "none", "--memory", str(1.3 * 2**20), "--no-offload"])
     stages = list(reports[0]["plan"]["zero_stages"].values())
     assert 3 in stages and 2 in stages, stages
     assert reports[0]["plan"]["recompute"] == []
