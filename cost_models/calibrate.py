@@ -43,8 +43,9 @@ import tempfile
 import numpy as np
 import torch
 
-from autopar.cost_models.cluster import Cluster, Device, Link, cluster_names, get_cluster
+from autopar.cost_models.cluster import Cluster, Device, Host, Link, cluster_names, get_cluster
 from autopar.cost_models.collectives import Collective, ring_bytes
+from autopar.cost_models.graph_costs import OPTIMIZER_PASSES
 from autopar.errors import ClusterError
 
 PRESET_OF_GPU = {"A100": "dgx-a100", "H100": "dgx-h100", "H200": "h200", "V100": "p3.16xlarge"}
@@ -153,9 +154,25 @@ def fit_element_time(rows: list[dict]) -> dict:
     return out
 
 
+def fit_host(raw_host: dict | None, host_memory: float | None, devices_per_node: int) -> Host | None:
+    """The host section from ``measure_host``'s timings (None where none were
+    taken: CPU ranks, whose host is their device): the link at the slower
+    direction's fitted bandwidth, and the node's host memory bandwidth as the
+    rate AdamW streamed its 80 B per element (graph_costs.OPTIMIZER_PASSES)
+    on each rank, times the node's devices, so that offload_time's per-device
+    share is what one rank measured beside the others."""
+    if not raw_host or host_memory is None:
+        return None
+    link = raw_host["link"]
+    inv = fit_proportional([c["bytes"] for c in link], [max(c["to_host_s"], c["to_device_s"]) for c in link])
+    per_rank = raw_host["adamw_elements"] * OPTIMIZER_PASSES["adamw"][1] / raw_host["adamw_s"]
+    return Host(host_memory, 1.0 / inv, per_rank * devices_per_node)
+
+
 def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
                      known_peaks: dict | None, links: Cluster | None = None,
-                     special_function_rate: float = 0.0, synchronous_mma_fraction: float = 1.0) -> Cluster:
+                     special_function_rate: float = 0.0, synchronous_mma_fraction: float = 1.0,
+                     host_memory: float | None = None) -> Cluster:
     """Fit the cost model's constants to raw timings (see module docstring).
     ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known;
     ``special_function_rate``, ``synchronous_mma_fraction``: its SFU rate and
@@ -202,8 +219,9 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
         device = dataclasses.replace(device, collective_overhead=links.device.collective_overhead)
         node = dict(devices_per_node=links.devices_per_node, intra_node=links.intra_node,
                     inter_node=links.inter_node, nodes=None, oversubscription=links.oversubscription)
+    host = fit_host(raw.get("host"), host_memory, node["devices_per_node"])
     return Cluster(name, device, backend=raw["backend"], source=source, overlap_grad_sync=raw["backend"] == "nccl",
-                   calibration=dict(raw, fit=fit), **node)
+                   calibration=dict(raw, fit=fit), host=host, **node)
 
 
 def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: str | None = None,
@@ -252,10 +270,14 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
               f"{'with 1 torch thread per rank ' if backend == 'gloo' else ''}and copies on all ranks at once, "
               f"{sweeps}; least-squares fits; {peak_note}; "
               f"memory = {'device memory' if backend == 'nccl' else 'host memory / ranks'}; "
-              f"1-min load average before: {load_before:.2f}")
+              + ("host: this machine's memory, pinned copies each way and a torch.optim.AdamW step of "
+                 "2^24 host elements on every rank at once (the cores split among the ranks), the node's host bandwidth that per-rank rate times "
+                 "the node's devices (optimistic where fewer ranks than devices ran); " if backend == "nccl" else "")
+              + f"1-min load average before: {load_before:.2f}")
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
                                source=source, device_name=device_name, memory=memory, known_peaks=known,
-                               links=links, special_function_rate=sfu, synchronous_mma_fraction=mma)
+                               links=links, special_function_rate=sfu, synchronous_mma_fraction=mma,
+                               host_memory=_host_memory() if backend == "nccl" else None)
     _write(cluster, out_path)
     # The runtime's own costs are measured by running emitted programs priced
     # with this profile less the overheads being measured: per call, per

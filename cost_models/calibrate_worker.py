@@ -107,6 +107,39 @@ def measure_copies(device: torch.device, sizes) -> list[dict]:
     return out
 
 
+HOST_COPY_BYTES = (16 << 20, 256 << 20)
+HOST_ADAMW_ELEMENTS = 1 << 24
+"""ZeRO-Offload's host side: pinned copies of these sizes each way, and one
+torch.optim.AdamW step over this many fp32 host elements (64 MiB of
+parameters, 320 MiB of state and gradient)."""
+
+
+def measure_host(device: torch.device) -> dict:
+    """What offloading optimizer state costs here, on all ranks at once (as
+    every device of a node offloads together): copies between this GPU and
+    pinned host memory, each way, and torch.optim.AdamW's step on host
+    tensors with one torch thread per rank."""
+    link = []
+    for nbytes in HOST_COPY_BYTES:
+        on_device = torch.empty(nbytes // 4, device=device)
+        on_host = torch.empty(nbytes // 4, pin_memory=True)
+        dist.barrier()
+        down = _timed(lambda: on_host.copy_(on_device, non_blocking=True), device)
+        up = _timed(lambda: on_device.copy_(on_host, non_blocking=True), device)
+        link.append({"bytes": float(nbytes), "to_host_s": down, "to_device_s": up})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # the ranks share the cores
+    p = torch.zeros(HOST_ADAMW_ELEMENTS, requires_grad=True)
+    p.grad = torch.rand_like(p)
+    opt = torch.optim.AdamW([p])
+    opt.step()  # its states allocated
+    dist.barrier()
+    adamw = _timed(opt.step, torch.device("cpu"))
+    torch.set_num_threads(threads)
+    return {"link": _gather_median(link, ("to_host_s", "to_device_s")), "adamw_elements": HOST_ADAMW_ELEMENTS,
+            "adamw_s": _gather_median([{"seconds": adamw}])[0]["seconds"]}
+
+
 def measure_op_latency(device: torch.device) -> float:
     """Seconds of a one-element add: the fixed cost of launching (or dispatching) an op."""
     x = torch.ones(1, device=device)
@@ -187,6 +220,8 @@ def main(argv=None) -> None:
         "op_latency": _gather_median([{"seconds": measure_op_latency(device)}])[0]["seconds"],
         "elements": _gather_median(measure_elements(device, dtype, element_sizes), ("forward_s", "backward_s")),
         "collectives": measure_collectives(device, COLLECTIVE_BYTES) if dist.get_world_size() > 1 else [],
+        # on a CPU rank host and device are one memory: nothing to offload to
+        "host": measure_host(device) if args.backend == "nccl" else None,
     }
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -436,6 +436,31 @@ def test_one_rank_profile_takes_node_and_links_from_a_cluster(capsys):
 
 
 
+def test_gpu_profile_measures_the_host_it_offloads_to():
+    """A GPU profile's host section comes from calibrate's host timings
+    (calibrate_worker.measure_host): the link at the slower direction, and
+    host memory bandwidth such that each device's share is the AdamW rate
+    one rank measured beside the others; CPU ranks get none (their host is
+    their device)."""
+    h200 = get_cluster("h200")
+    raw = {"world_size": 8, "backend": "nccl", "dtype": "bfloat16",
+           "gemm": [{"flops": f, "seconds": 4e-6 + f / 700e12} for f in (1e9, 1e11, 1e12)],
+           "copy": [{"bytes_moved": b, "seconds": b / 4e12} for b in (2e9, 8e9)],
+           "op_latency": 3e-6, "elements": [],
+           "collectives": [{"kind": "all_reduce", "bytes": b, "seconds": 14 * 5e-6 + 1.75 * b / 300e9}
+                           for b in (4.0, 1e6, 1.6e7)],
+           "host": {"link": [{"bytes": b, "to_host_s": b / 50e9, "to_device_s": b / 40e9} for b in (1.6e7, 2.6e8)],
+                    "adamw_elements": 2**24, "adamw_s": 2**24 * 80 / 20e9}}
+    cluster = profile_from_raw(raw, name="gpu-test", source="test", device_name="NVIDIA H200", memory=141e9,
+                               known_peaks=dict(h200.device.peak_flops), host_memory=2e12)
+    assert cluster.host.memory == 2e12
+    assert cluster.host.link_bandwidth == pytest.approx(40e9)
+    assert cluster.host.memory_bandwidth / cluster.devices_per_node == pytest.approx(20e9)
+    assert Cluster.from_json(json.loads(json.dumps(cluster.to_json()))) == cluster
+    assert profile_from_raw(dict(raw, host=None), name="gpu-test", source="test", device_name="x", memory=1e9,
+                            known_peaks=None, host_memory=2e12).host is None
+
+
 def test_cpu_profile_is_calibrated():
     cpu = get_cluster("cpu")
     assert cpu.backend == "gloo" and cpu.nodes == 1
