@@ -204,6 +204,40 @@ def test_compiled_attention_counts_one_exponential_per_score():
     assert half > 1.5 * full
 
 
+@pytest.mark.parametrize("seq,mesh,causal,share,exchanges", [
+    (64, (1,), True, 0.5, 0),            # the masked score blocks skipped
+    (64, (1,), False, 1.0, 0),
+    (64, (4,), True, 0.5, 4),            # balanced chunks: the mean share, query/output halves exchanged
+    (36, (4,), True, 0.5 * 7 / 4, 0),    # 9 queries a rank do not halve: contiguous, the last rank's share
+    (64, (2, 2), True, 0.5, 4),          # over both axes of a 2-D mesh: balanced too
+    (64, (4,), False, 1.0, 0),           # not causal: every rank the same work
+])
+def test_causal_attention_prices_the_busiest_ranks_share(seq, mesh, causal, share, exchanges):
+    """Causal attention computes half the scores (FLASH_CAUSAL_WORK); with
+    its queries' sequence split over cp ranks (context parallelism) in
+    contiguous chunks the last rank computes (2cp - 1) / cp times the mean,
+    so where the chunks halve the program balances them (rank j holding
+    halves j and 2cp-1-j) at the price of four all-to-alls, which the plan
+    lists with the op (graph_costs.attention_share, op_moves)."""
+    from autopar.cost_models.graph_costs import CostContext, attention_share, op_moves
+    from autopar.passes.enumerate import enumerate_strategies
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    q = torch.randn(2, 4, seq, 8)
+    graph = _captured(Attention(), q, q.clone(), q.clone(), q.clone())
+    (node,) = [n for n in graph.nodes.values() if n.op_name == "scaled_dot_product_attention"]
+    strategies, _ = enumerate_strategies(graph, mesh)
+    whole = "S(2)" * len(mesh) if mesh != (1,) else "R"
+    (s,) = [s for s in strategies[node.name] if "".join(map(str, s.output)) == whole]
+    ctx = CostContext.make(mesh, A100)
+    assert attention_share(node, s, mesh) == pytest.approx(share)
+    fwd, bwd = op_moves(node, s, ctx, True)
+    assert len(fwd) + len(bwd) == exchanges and all(m.kind is Collective.ALL_TO_ALL for m in fwd + bwd)
+
+
 def _captured_with(model, inputs, loss_fn):
     from autopar.capture import capture
     return capture(model, inputs, loss_fn=loss_fn)

@@ -308,20 +308,30 @@ def test_context_parallel_attention_trains_like_one_device(tmp_path):
     """Context parallelism (tests/fixtures/cp_ranks.py, one launch): every
     attention's queries split along the sequence and its keys and values
     gathered whole, on a mesh of 4 and on 2x2 (data x context, and context
-    over both axes), in causal attention (examples/llama.py, each rank's
-    queries seeing the keys up to its chunk: spmd._attention), under a
-    padding mask (examples/bert.py) and under transformers' own Llama with
-    its mask tensor, solved around the pinned attention (and on 2x2 also
-random). Each
-    trains like one device, and its attention is the split it was given."""
+    over both axes), in causal attention (examples/llama.py: chunks
+    balanced, query halves exchanged, on one axis and over both:
+    spmd._attention), under a padding mask (examples/bert.py), under
+    transformers' own Llama with its mask tensor and in explicit attention
+    (examples/gpt.py: the scores' product split by its queries), solved
+    around the pinned attention (and on 2x2 also random). Each trains like
+    one device, and its attention is the split it was given. Before the
+    models, the attention rows the rule tests cannot run rank by rank
+    (their ranks exchange halves) run on the real ranks, each exact."""
+    from test_rules import real_rank_cases
+
     out = tmp_path / "cp.json"
     proc = torchrun(["tests/fixtures/cp_ranks.py", "tests/fixtures/fastnet.json", str(out), "4,2x2"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
-    reports = json.loads(out.read_text())
-    assert len(reports) == 9
+    got = json.loads(out.read_text())
+    # the attention rows the rule tests leave to real ranks (balanced causal chunks), each exact
+    want = [(m, sample.id, str(st)) for m, shape in (("4", (4,)), ("2x2", (2, 2))) for sample, st in real_rank_cases(shape)]
+    assert [(c["mesh"], c["sample"], c["strategy"]) for c in got["ops"]] == want and len(want) >= 4
+    assert all(not c["problems"] for c in got["ops"]), [c for c in got["ops"] if c["problems"]]
+    reports = got["models"]
+    assert len(reports) == 12
     assert_agrees(reports, drift=True)
     for r in reports:
-        attention = [s for k, s in r["plan"]["strategies"].items() if k.startswith("scaled_dot_product_attention")]
+        attention = [r["plan"]["strategies"][k] for k in r["pinned"]]
         want = "S(2)" if r["mesh"] == "4" else "S(0)S(2)" if "pinned" in r["label"] else "S(2)S(2)"
         assert attention and all(s.endswith(f"-> {want}") for s in attention), (r["label"], attention)
 

@@ -16,7 +16,7 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
-    gradient_transient, kept_outputs, needs_grad, node_compute, produced, saves_input, op_flops,
+    gradient_transient, kept_outputs, needs_grad, node_compute, op_moves, produced, saves_input, op_flops,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
@@ -226,6 +226,7 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         f, b = node_compute(node, s, ctx, backward)
         lc.fwd_s += f
         lc.bwd_s += b
+        lc.comm_s += sum(mv.seconds for moves in op_moves(node, s, ctx, backward) for mv in moves)
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
