@@ -210,14 +210,19 @@ def attention_share(node: Node, s: Strategy, mesh_shape: tuple) -> float:
 
 def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
     """(forward moves, backward moves) a strategy runs inside its op, which
-    the plan lists with the op's node: causal attention balanced over some
+    the plan lists with the op's node: batch norm's synchronised statistics
+    (``_batch_norm_moves``), and causal attention balanced over some
     axes (zigzag_axes) exchanges its query halves before the kernel and its
     output halves after it (an all-to-all over those axes each), in backward
     their gradients the other way. ``nbytes`` is the buffer over the group,
     as for other all-to-alls; the time is what each rank does, sending its
     chunk and receiving one (``SEND_RECV`` of the local bytes) on the
     slowest link of the group."""
-    if node.kind is not NodeKind.OP or not _causal(node):
+    if node.kind is not NodeKind.OP:
+        return [], []
+    if node.target is _aten.batch_norm.default:
+        return _batch_norm_moves(node, s, ctx, backward)
+    if not _causal(node):
         return [], []
     seq, cp, axes = _context_split(node, s, ctx.mesh_shape)
     if not axes:
@@ -228,6 +233,29 @@ def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple
         seconds, slowest = max((collective_time(Collective.SEND_RECV, local, ctx.links[a]), a) for a in axes)
         moves.append(Move(Collective.ALL_TO_ALL, slowest, local * cp, seconds, axes if len(axes) > 1 else ()))
     return moves, (moves[::-1] if backward else [])
+
+
+def _batch_norm_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
+    """Training-mode batch norm over a split batch (or spatial dim):
+    synchronised statistics, the per-channel mean and then the variance
+    all-reduced over the splitting axes (autopar/spmd.py, _batch_norm),
+    their gradients all-reduced in backward; one collective over all the
+    mesh's axes where they all split it, one per axis otherwise."""
+    if not node.info.arg(5, "training", False):
+        return [], []
+    x = node.info.inputs[0]
+    axes = tuple(a for a, p in enumerate(s.inputs[0])
+                 if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[a] > 1)
+    if not axes:
+        return [], []
+    channels = math.prod(ctx.mesh_shape[a] for a, p in enumerate(s.inputs[0]) if isinstance(p, Shard) and p.dim == 1)
+    nbytes = x.shape[1] * x.dtype.itemsize / channels  # this rank's channels' statistics
+    groups = [axes] if len(axes) == len(ctx.mesh_shape) else [(a,) for a in axes]
+    moves = []
+    for group in groups:
+        seconds, slowest = max((collective_time(Collective.ALL_REDUCE, nbytes, ctx.links[a]), a) for a in group)
+        moves += [Move(Collective.ALL_REDUCE, slowest, nbytes, seconds, group if len(group) > 1 else ())] * 2
+    return moves, (moves if backward else [])
 
 
 def op_name(node: Node) -> str:

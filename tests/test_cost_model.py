@@ -238,6 +238,34 @@ def test_causal_attention_prices_the_busiest_ranks_share(seq, mesh, causal, shar
     assert len(fwd) + len(bwd) == exchanges and all(m.kind is Collective.ALL_TO_ALL for m in fwd + bwd)
 
 
+@pytest.mark.parametrize("mesh,split,collectives", [
+    ((4,), "S(0)", [(("x",), 4)]),                 # the batch split: mean and variance, and their gradients
+    ((2, 2), "S(0)S(2)", [(("x", "y"), 4)]),       # every axis splits it: one collective over the mesh
+    ((2, 2), "S(0)S(1)", [(("x",), 4)]),           # channels split over y: that axis needs none
+    ((4,), "S(1)", []),                            # channels only: each rank normalises its own
+])
+def test_batch_norm_over_a_split_batch_syncs_its_statistics(mesh, split, collectives):
+    """The program all-reduces a batch norm's per-channel mean and variance
+    over the axes that split its batch or spatial dims (spmd._batch_norm),
+    and their gradients in backward: collectives of the op itself, priced
+    and listed with it (graph_costs.op_moves)."""
+    from autopar.cost_models.graph_costs import CostContext, op_moves
+    from autopar.passes.enumerate import enumerate_strategies
+
+    graph = _captured(torch.nn.BatchNorm2d(8), torch.randn(4, 8, 6, 6), torch.randn(4, 8, 6, 6))
+    (node,) = [n for n in graph.nodes.values() if n.op_name == "batch_norm"]
+    strategies, _ = enumerate_strategies(graph, mesh)
+    (s,) = [s for s in strategies[node.name] if "".join(map(str, s.inputs[0])) == split]
+    names = ("x", "y")
+    fwd, bwd = op_moves(node, s, CostContext.make(mesh, A100), True)
+    got = {}
+    for m in fwd + bwd:
+        assert m.kind is Collective.ALL_REDUCE and m.seconds > 0
+        key = tuple(names[a] for a in (m.axes or (m.axis,)))
+        got[key] = got.get(key, 0) + 1
+    assert sorted(got.items()) == collectives
+
+
 def _captured_with(model, inputs, loss_fn):
     from autopar.capture import capture
     return capture(model, inputs, loss_fn=loss_fn)
