@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
-from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError, PlanError
+from autopar.ir import Graph, NodeKind
 from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
 from autopar.cost_models.graph_costs import input_grad_spec

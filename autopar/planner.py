@@ -19,7 +19,7 @@ import warnings
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.capture import Graph, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
@@ -27,6 +27,7 @@ from autopar.cost_models.graph_costs import (
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.mesh import parse_mesh
 from autopar.passes.cluster import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
 from autopar.passes.enumerate import enumerate_strategies

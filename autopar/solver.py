@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
-from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
     needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.passes.recompute import NONE, Recomputation
 from autopar.passes.strategy import shard_factor
 from autopar.cost_models.resharding import reads_in_place

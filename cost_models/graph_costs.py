@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Partial, Shard
 
-from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Collective, axis_links
 from autopar.cost_models.compute import op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
+from autopar.ir import Graph, Node, NodeKind
 from autopar.passes.rules import get_rule
 from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from autopar.capture import Graph, NodeKind
+from autopar.ir import Graph, NodeKind
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

@@ -5,7 +5,7 @@ import torch
 import autopar
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext, memory_breakdown, param_bytes
-from autopar.capture import NodeKind
+from autopar.ir import NodeKind
 from autopar.passes.strategy import R, S, Strategy
 from autopar.runtime import load_factory
 

@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import use_grads
 from autopar.cost_models.resharding import as_sum, producer_grad_spec
-from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
+from autopar.ir import OpInfo, TensorArg, TensorMeta
+from autopar.passes.rules import get_rule, registered_ops
 from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
 from rule_samples import SAMPLES, Sample, gen, idx, x  # tests/ is on sys.path under pytest
 

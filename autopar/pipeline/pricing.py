@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar import plancache
-from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
@@ -20,6 +20,7 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
+from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
 from autopar.passes.cluster import layer_classes
 from autopar.passes.enumerate import enumerate_strategies

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.rules.reduction import reduction_rows
 from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import R, Row, S

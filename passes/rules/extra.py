@@ -14,7 +14,8 @@ import torch
 from torch.ops import aten
 
 from autopar.errors import AutoparError
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.rules.matmul import einsum_rows
 from autopar.passes.rules.pointwise import broadcast_rows
 from autopar.passes.rules.view import other_dims_rows
