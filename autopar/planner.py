@@ -29,7 +29,7 @@ from autopar.cost_models.graph_costs import (
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.ir import Graph, NodeKind
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
+from autopar.passes.layer_classes import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
@@ -301,7 +301,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
 
 class _Classes:
     """The representatives the ILP shares variables by: each class of
-    repeated layers (passes/cluster.py) sharing one set to begin with
+    repeated layers (passes/layer_classes.py) sharing one set to begin with
     (``first``), with instances peeled off its ends as ``deeper_ends`` says;
     a tied weight has one placement under all its names."""
 

@@ -74,7 +74,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
           relative_gap: float = 1e-4, classes: dict | None = None, recomputed: Recomputation = NONE,
           optimizer_step: bool = True) -> Solution:
     """``classes`` maps a node to the representative whose variables it shares
-    (passes/cluster.py); its costs and memory add onto the representative's.
+    (passes/layer_classes.py); its costs and memory add onto the representative's.
     The regions ``recomputed`` names keep only their inputs for backward and
     run their forward twice; their activations are alive again only during
     their own backward. ``optimizer_step`` False leaves the optimizer update

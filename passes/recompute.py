@@ -22,7 +22,7 @@ from functools import cached_property
 from autopar.cost_models.graph_costs import is_view, kept_outputs, needs_grad, saved_outputs, saves_input
 from autopar.errors import AutoparError
 from autopar.ir import Graph, NodeKind
-from autopar.passes.cluster import layer_of, layer_lists, parse_layer
+from autopar.passes.layer_classes import layer_of, layer_lists, parse_layer
 
 MODES = ("none", "selective", "full")
 

@@ -334,7 +334,7 @@ def test_a_layer_written_in_its_parents_forward_is_one_region_with_its_glue():
     interleave, auto plans without that option and warns."""
     from autopar.capture import capture
     from autopar.errors import AutoparError
-    from autopar.passes.cluster import layer_of
+    from autopar.passes.layer_classes import layer_of
     from autopar.passes.recompute import recomputation
     ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "fp32")
     graph = capture(*load_factory("tests/fixtures/gluenet.py:small"))

@@ -22,7 +22,7 @@ from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
 from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
-from autopar.passes.cluster import layer_classes
+from autopar.passes.layer_classes import layer_classes
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
@@ -160,7 +160,7 @@ class Profile:
 class _StageILP:
     """The intra-operator ILP on one stage submesh at one microbatch size,
     before it is solved: identical layers share variables
-    (passes/cluster.py), and no memory row (the stage search checks memory
+    (passes/layer_classes.py), and no memory row (the stage search checks memory
     per stage). Mirrors autopar.compile's steps."""
 
     graph: Graph
