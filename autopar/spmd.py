@@ -1054,7 +1054,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 def _attention(fn, mesh, st, args, kwargs):
     """Causal attention with the queries' sequence split (context
-    parallelism, passes/rules/misc.py): keys and values arrive whole, and a
+    parallelism, passes/rules/attention.py): keys and values arrive whole, and a
     rank holding queries ``offset .. offset + n`` of the sequence attends to
     keys ``0 .. offset + n``, the last n causally (the lower-right-aligned
     causal mask, which torch's kernels run without materialising it where

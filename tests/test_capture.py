@@ -139,7 +139,7 @@ def test_ops_lists_the_rules_and_docs_ops_md_is_its_output(capsys):
     from autopar.passes.rules import registered_ops
     assert main(["ops", "embedding_bag"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("misc.embedding_bag_rule: embedding_bag, embedding_bag.padding_idx\n")
+    assert printed.startswith("embedding.embedding_bag_rule: embedding_bag, embedding_bag.padding_idx\n")
     assert "split the embedding dim" in printed
     assert main(["ops", "special_i1"]) == 1
     assert "no op matching 'special_i1' has a sharding rule: it runs replicated" in capsys.readouterr().out

@@ -184,7 +184,7 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
     """Run the op as the emitted program does (autopar.codegen / autopar.spmd), on local shards."""
     from autopar import spmd
     from autopar.codegen import RESHAPES
-    from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
+    from autopar.passes.rules.factory import FACTORIES, RANDOM_FACTORIES
 
     a, kw = pytree.tree_unflatten(args, spec)
     with spmd.use_mesh(mesh):
@@ -544,14 +544,14 @@ EINSUM_FORMS = [
 
 @pytest.mark.parametrize("equation,ndims,expected", EINSUM_FORMS)
 def test_normalize_equation(equation, ndims, expected):
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     assert normalize_equation(equation, ndims) == expected
 
 
 def test_normalize_equation_rejects_wrong_operand_count():
     from autopar.errors import AutoparError
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
         normalize_equation("ij,jk->ik", [2])

@@ -7,7 +7,7 @@ from torch.ops import aten
 
 from autopar.ir import OpInfo
 from autopar.passes.rules.base import register
-from autopar.passes.rules.misc import REDUCTION
+from autopar.passes.rules.loss import REDUCTION
 from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import R, Row, S
 
