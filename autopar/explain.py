@@ -290,7 +290,7 @@ def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, 
 
 def _reading(node, s: Strategy, axis_names, balanced: bool = False) -> str:
     """Attention's strategy in the words of the technique: per mesh axis, the
-    dim of the queries it splits (passes/rules/misc.py, sdpa_rule), and
+    dim of the queries it splits (passes/rules/attention.py, sdpa_rule), and
     whether a causal sequence split runs ``balanced`` (zigzag_axes)."""
     if node.op_name != "scaled_dot_product_attention" or node.info is None:
         return ""

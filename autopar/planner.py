@@ -19,7 +19,7 @@ import warnings
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.capture import Graph, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
@@ -27,8 +27,9 @@ from autopar.cost_models.graph_costs import (
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
+from autopar.passes.layer_classes import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
@@ -300,7 +301,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
 
 class _Classes:
     """The representatives the ILP shares variables by: each class of
-    repeated layers (passes/cluster.py) sharing one set to begin with
+    repeated layers (passes/layer_classes.py) sharing one set to begin with
     (``first``), with instances peeled off its ends as ``deeper_ends`` says;
     a tied weight has one placement under all its names."""
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
-from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
     needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.passes.recompute import NONE, Recomputation
 from autopar.passes.strategy import shard_factor
 from autopar.cost_models.resharding import reads_in_place
@@ -74,7 +74,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
           relative_gap: float = 1e-4, classes: dict | None = None, recomputed: Recomputation = NONE,
           optimizer_step: bool = True) -> Solution:
     """``classes`` maps a node to the representative whose variables it shares
-    (passes/cluster.py); its costs and memory add onto the representative's.
+    (passes/layer_classes.py); its costs and memory add onto the representative's.
     The regions ``recomputed`` names keep only their inputs for backward and
     run their forward twice; their activations are alive again only during
     their own backward. ``optimizer_step`` False leaves the optimizer update

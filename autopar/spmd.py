@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
 from autopar.cost_models.resharding import nested_inside, producer_grad_spec
-from autopar.passes.rules.misc import zigzag_axes
+from autopar.passes.rules.attention import zigzag_axes
 from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
@@ -1055,7 +1055,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 def _attention(fn, mesh, st, args, kwargs):
     """Causal attention with the queries' sequence split (context
-    parallelism, passes/rules/misc.py): keys and values arrive whole, and
+    parallelism, passes/rules/attention.py): keys and values arrive whole, and
     the queries at positions ``p .. p + m`` attend to keys ``0 .. p + m``,
     the last m causally (the lower-right-aligned causal mask, which torch's
     kernels run without materialising it where they can). Where the chunks

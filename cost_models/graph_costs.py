@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Partial, Shard
 
-from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.compute import FLASH_CAUSAL_WORK, op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
+from autopar.ir import Graph, Node, NodeKind
 from autopar.passes.rules import get_rule
-from autopar.passes.rules.misc import zigzag_axes
+from autopar.passes.rules.attention import zigzag_axes
 from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor
 
@@ -201,7 +201,7 @@ def attention_share(node: Node, s: Strategy, mesh_shape: tuple) -> float:
     attention, which skips the masked score blocks (FLASH_CAUSAL_WORK); with
     its queries' sequence split over cp ranks in contiguous chunks the last
     rank computes (2cp - 1) / cp times the mean, balanced chunks the mean
-    (passes/rules/misc.py, zigzag_axes; autopar/spmd.py, _attention)."""
+    (passes/rules/attention.py, zigzag_axes; autopar/spmd.py, _attention)."""
     if not _causal(node):
         return 1.0
     _, cp, axes = _context_split(node, s, mesh_shape)

@@ -153,7 +153,7 @@ def test_the_program_syncs_the_gradients_the_plan_prices():
 
 def test_layer_classes_peel_instances_off_the_ends():
     from autopar.capture import capture
-    from autopar.passes.cluster import deeper_ends, layer_classes, repeated_layers
+    from autopar.passes.layer_classes import deeper_ends, layer_classes, repeated_layers
     model, inputs, loss = _meta_gpt(layers=6, hidden=64, seq=16, batch=4, heads=4, vocab=64)
     graph = capture(model, inputs, loss)
     (blocks,) = repeated_layers(graph)
@@ -551,7 +551,7 @@ def test_a_trailing_regather_pins_zero_3():
     which are. (benchmarks/runtime_vs_torch.py's zero3 case pins every
     parameter so and checks that the plan is ZeRO-3.)"""
     from autopar.capture import capture
-    from autopar.passes.cluster import layer_classes
+    from autopar.passes.layer_classes import layer_classes
     from autopar.passes.enumerate import enumerate_strategies
     from autopar.planner import _pins
     model, inputs, loss = load_factory(f"{ROOT}/examples/mlp.py:small")

@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import use_grads
 from autopar.cost_models.resharding import as_sum, producer_grad_spec
-from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
+from autopar.ir import OpInfo, TensorArg, TensorMeta
+from autopar.passes.rules import get_rule, registered_ops
 from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
 from rule_samples import SAMPLES, Sample, gen, idx, x  # tests/ is on sys.path under pytest
 
@@ -183,7 +184,7 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
     """Run the op as the emitted program does (autopar.codegen / autopar.spmd), on local shards."""
     from autopar import spmd
     from autopar.codegen import RESHAPES
-    from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
+    from autopar.passes.rules.factory import FACTORIES, RANDOM_FACTORIES
 
     a, kw = pytree.tree_unflatten(args, spec)
     with spmd.use_mesh(mesh):
@@ -391,10 +392,10 @@ def local_impl_problems(case: dict, outs: list, grads: list) -> list[str]:
 def communicates(sample: Sample, strategy, mesh_shape) -> bool:
     """Whether the op's local implementation exchanges data between ranks
     under this strategy, which a rank-by-rank check cannot run: causal
-    attention whose sequence split runs balanced (passes/rules/misc.py,
+    attention whose sequence split runs balanced (passes/rules/attention.py,
     zigzag_axes). tests/fixtures/cp_ranks.py checks these on real ranks,
     with this module's case, run and comparison."""
-    from autopar.passes.rules.misc import zigzag_axes
+    from autopar.passes.rules.attention import zigzag_axes
 
     if sample.target is not aten.scaled_dot_product_attention.default or not sample.kwargs.get("is_causal"):
         return False
@@ -601,14 +602,14 @@ EINSUM_FORMS = [
 
 @pytest.mark.parametrize("equation,ndims,expected", EINSUM_FORMS)
 def test_normalize_equation(equation, ndims, expected):
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     assert normalize_equation(equation, ndims) == expected
 
 
 def test_normalize_equation_rejects_wrong_operand_count():
     from autopar.errors import AutoparError
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
         normalize_equation("ij,jk->ik", [2])

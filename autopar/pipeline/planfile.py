@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 from torch.distributed.tensor import Replicate
 
-from autopar.capture import NodeKind
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, op_moves, produced, saved_outputs,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
+from autopar.ir import NodeKind
 from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, local_shape, parse_spec, shard_factor
 from autopar.plan import NodePlan, Plan

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar import plancache
-from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
@@ -20,8 +20,9 @@ from autopar.cost_models.graph_costs import (
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
+from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
-from autopar.passes.cluster import layer_classes
+from autopar.passes.layer_classes import layer_classes
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
@@ -159,7 +160,7 @@ class Profile:
 class _StageILP:
     """The intra-operator ILP on one stage submesh at one microbatch size,
     before it is solved: identical layers share variables
-    (passes/cluster.py), and no memory row (the stage search checks memory
+    (passes/layer_classes.py), and no memory row (the stage search checks memory
     per stage). Mirrors autopar.compile's steps."""
 
     graph: Graph
