@@ -650,18 +650,36 @@ class _GatherBucket(torch.autograd.Function):
 
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
 
+PREFETCH_NOTES = 2
+"""How many regathered parameters backward gathers ahead of their use (each
+a full copy alive early): two, since backward unpacks an op's saved tensors
+in about the reverse of the order forward saved them, not exactly (a linear
+layer's, for one, in pairs swapped)."""
+
+
 class _Regather:
     """The full copies of regathered parameters that are alive in this forward,
     by storage. An op that would save one for backward saves (parameter shard,
     placements, view geometry) instead, and unpacking gathers it again: the
     all-gather runs once more in backward, identically on every rank, and the
     full parameter is freed after its last forward use (ZeRO stage 3;
-    Rajbhandari et al. 2020, sec. 5.3)."""
+    Rajbhandari et al. 2020, sec. 5.3). Backward unpacks them in about the
+    reverse of the order forward saved them, so each unpack also starts the
+    gathers of the ones saved before it (``PREFETCH_NOTES``; asynchronously,
+    where each is one all-gather: ``_gather_ahead``), as FSDP prefetches the
+    next module's parameters in backward: those gathers run while backward
+    computes."""
 
     def __init__(self):
         self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard, mesh, move)
+        self.order: list = []  # this forward's notes, in the order saved
+        self.ahead: dict = {}  # note index -> a gather started ahead: call it for the full tensor
+        self.done: set = set()  # the notes this backward has unpacked
+        self.unpacking = False
 
     def add(self, source: torch.Tensor, gathered: torch.Tensor, mesh, move) -> None:
+        if self.unpacking:  # a new forward: the last backward's notes and prefetches are done with
+            self.order, self.ahead, self.done, self.unpacking = [], {}, set(), False
         self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
         self.live[gathered.untyped_storage().data_ptr()] = (weakref.ref(gathered), source, mesh, move)
 
@@ -681,14 +699,26 @@ class _Regather:
         if entry is None:
             return t
         _, source, mesh, move = entry
-        return _Note(source, mesh, move, t.size(), t.stride(), t.storage_offset())
+        note = _Note(source, mesh, move, t.size(), t.stride(), t.storage_offset(), len(self.order))
+        self.order.append(note)
+        return note
 
-    @staticmethod
-    def unpack(saved):
+    def unpack(self, saved):
         if not isinstance(saved, _Note):
             return saved
+        self.unpacking = True
+        if saved.index in self.done:  # another backward through the same graph (retain_graph)
+            self.done = set()
+        self.done.add(saved.index)
         with torch.no_grad():
-            full = _redistribute(saved.source.detach(), saved.mesh, *saved.move, True)  # parameters divide
+            started = self.ahead.pop(saved.index, None)
+            full = started() if started is not None else _gather_ahead(saved)()
+            # the next to come: the latest notes saved before this one and not unpacked yet (two:
+            # backward reaches an op's saved tensors in about, not exactly, the reverse order)
+            coming = [i for i in range(min(saved.index, len(self.order)) - 1, -1, -1) if i not in self.done]
+            for i in coming[:PREFETCH_NOTES]:
+                if i not in self.ahead:
+                    self.ahead[i] = _gather_ahead(self.order[i])
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
@@ -700,6 +730,31 @@ class _Note:
     size: torch.Size
     stride: tuple
     offset: int
+    index: int = 0
+
+
+def _gather_ahead(note: _Note):
+    """Start gathering a saved parameter's full tensor; returns the call
+    that finishes it. A gather over one mesh axis of a dim no other axis
+    splits runs as one asynchronous all-gather; any other move runs when
+    called (``_redistribute``)."""
+    src, dst = note.move
+    changed = [a for a, (p, q) in enumerate(zip(src, dst)) if p != q]
+    a = changed[0] if len(changed) == 1 else None
+    if a is None or not (isinstance(src[a], Shard) and isinstance(dst[a], Replicate)) or any(
+            isinstance(p, Shard) and p.dim == src[a].dim for b, p in enumerate(src) if b != a) \
+            or any(type(c) is not int for c in note.mesh.get_coordinate()):
+        return lambda: _redistribute(note.source.detach(), note.mesh, *note.move, True)  # parameters divide
+    shard, d, n = note.source.detach(), src[a].dim, note.mesh.size(a)
+    out = shard.new_empty(n * shard.numel())
+    work = torch.distributed.all_gather_into_tensor(out, shard.reshape(-1), group=note.mesh.get_group(a),
+                                                    async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        pieces = out.view(n, *shard.shape)
+        return pieces.reshape(n * shard.shape[0], *shard.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d)
+    return finish
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
