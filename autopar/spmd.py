@@ -185,7 +185,8 @@ class GradSync:
     group and dtype per bucket. Backward leaves each gradient a local partial
     sum (see ``param``); when every gradient of
     a bucket has been accumulated, the bucket is flattened and all-reduced
-    asynchronously while backward goes on, and at the end of backward (an
+    asynchronously while backward goes on (one collective over all of its
+    mesh axes: their flattened group, ``_group_over``), and at the end of backward (an
     autograd engine callback) every bucket is waited on and written back to
     ``.grad``. Buckets launch in index order on every rank, so their
     collectives match whatever order autograd finishes gradients in.
@@ -209,6 +210,7 @@ class GradSync:
         if local in self.params:  # tied weights: one tensor, one gradient
             return
         self.params[local] = axes
+        _group_over(self.mesh, tuple(sorted(axes)))  # made in forward, on every rank alike: backward reduces over it
         if getattr(local, "_autopar_sync_hooks", None) is None:
             ref = weakref.ref(local)
             local._autopar_sync_hooks = (local.register_hook(functools.partial(_arriving, ref)),
@@ -245,7 +247,7 @@ class GradSync:
     def _launch(self, bucket) -> None:
         grads = [m.grad.reshape(-1) if m in self.ready else m.new_zeros(m.numel()) for m in bucket.members]
         bucket.flat = torch.cat(grads) if len(grads) > 1 else grads[0]  # one contiguous gradient: in place
-        bucket.work = torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(bucket.axes[0]),
+        bucket.work = torch.distributed.all_reduce(bucket.flat, group=_group_over(self.mesh, tuple(sorted(bucket.axes))),
                                                    async_op=True)
         self.launched += 1
 
@@ -255,8 +257,6 @@ class GradSync:
             self._launch(self.buckets[self.launched])
         for bucket in self.buckets:
             bucket.work.wait()
-            for axis in bucket.axes[1:]:
-                torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(axis))
             offset = 0
             for m in bucket.members:
                 n = m.numel()

@@ -442,3 +442,4 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     assert len(both) == len(whole) == 16 and min(both) > 2 and min(whole) > 2, lines[6:]
     assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]
     assert "direct moves: 10 equal DTensor's" in proc.stdout
+    assert "flattened groups: 2 as numbered" in proc.stdout
