@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -247,8 +248,8 @@ class GradSync:
     def _launch(self, bucket) -> None:
         grads = [m.grad.reshape(-1) if m in self.ready else m.new_zeros(m.numel()) for m in bucket.members]
         bucket.flat = torch.cat(grads) if len(grads) > 1 else grads[0]  # one contiguous gradient: in place
-        bucket.work = torch.distributed.all_reduce(bucket.flat, group=_group_over(self.mesh, tuple(sorted(bucket.axes))),
-                                                   async_op=True)
+        group = _group_over(self.mesh, tuple(sorted(bucket.axes)))
+        bucket.work = torch.distributed.all_reduce(bucket.flat, group=group, async_op=True)
         self.launched += 1
 
     def finish(self) -> None:
@@ -715,8 +716,8 @@ class _Regather:
             full = started() if started is not None else _gather_ahead(saved)()
             # the next to come: the latest notes saved before this one and not unpacked yet (two:
             # backward reaches an op's saved tensors in about, not exactly, the reverse order)
-            coming = [i for i in range(min(saved.index, len(self.order)) - 1, -1, -1) if i not in self.done]
-            for i in coming[:PREFETCH_NOTES]:
+            coming = (i for i in range(min(saved.index, len(self.order)) - 1, -1, -1) if i not in self.done)
+            for i in itertools.islice(coming, PREFETCH_NOTES):
                 if i not in self.ahead:
                     self.ahead[i] = _gather_ahead(self.order[i])
         return full.as_strided(saved.size, saved.stride, saved.offset)
