@@ -77,7 +77,7 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
             raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
         if cluster_layers is None:
             cluster_layers = opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
-        layers = repeated_layers(graph) if cluster_layers else []
+        layers = [c for c in repeated_layers(graph) if len(c) > SOLVED_ALONE] if cluster_layers else []
         classes = _Classes(graph, layers)
         pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
     with phases("solve"):
@@ -134,6 +134,13 @@ the GPT models of tests/test_planner.py): 1-10x the clustered solve without a
 binding memory budget (GPT-3 175B on 1024 GPUs: 6.6 s clustered, 20 s
 peeled); under a binding one, HiGHS may need 50x, and the clustered plan
 stands."""
+
+SOLVED_ALONE = 4
+"""A class of this many repeated layers or fewer is not clustered: every layer
+is solved on its own from the start. Its peel (``deeper_ends``) would solve it
+layer by layer at the first refinement, and the clustered solve before that
+costs more than it saves (the README demo's two blocks: 9.8 s clustered, then
+28.1 s layer by layer, on this machine)."""
 
 O2_MAX_UNCLUSTERED_NODES = 3000
 """-O2 solves every node separately up to this graph size (a few seconds of HiGHS
