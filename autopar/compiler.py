@@ -80,7 +80,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         stages=None if stages == "auto" else stages, microbatches=microbatches,
         schedule=schedule, memory=memory, recompute={"auto": None, "none": False, "full": True}[recompute],
         optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source,
-        cache=cache)
+        cache=cache, deterministic=deterministic)
     search = plan.solver.get("pipeline_search") or {}
     if "decision" in search:
         why += f"; the search chose {search['decision']}"

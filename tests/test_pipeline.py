@@ -410,3 +410,18 @@ def test_pipelines_are_searched_by_default_where_the_mesh_spans_nodes():
     assert one_node.pipeline is None and "pipeline_search" not in one_node.solver
     assert one_node.solver["pipelining"] == ("the mesh's 8 devices fit in one node of dgx-a100 (8 devices): "
                                              "planned without a pipeline")
+
+
+def test_deterministic_pipelined_compiles_are_byte_identical():
+    """--deterministic leaves the wall-clock times out of a pipelined plan too
+    (the planner's and the pipeline search's): two compiles of the same
+    model write the same plan.json."""
+    from gpt import lm_loss
+    model, inputs = _meta_gpt(48, 8192, 64, 2048, 51200, 1536)  # GPT-3 39B shapes (Narayanan et al. Table 1)
+    kw = dict(mesh=512, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    plans = [autopar.compile(model, inputs, deterministic=True, **kw) for _ in range(2)]
+    assert plans[0].pipeline is not None and plans[0].solver["pipeline_search"]["decision"] == "pipeline"
+    assert plans[0].solver["wall_s"] is None and plans[0].solver["pipeline_search"]["wall_s"] is None
+    assert plans[0].dumps() == plans[1].dumps()
+    timed = autopar.compile(model, inputs, **kw)
+    assert timed.solver["wall_s"] > 0 and timed.solver["pipeline_search"]["wall_s"] > 0

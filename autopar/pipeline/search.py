@@ -188,7 +188,8 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
                       recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
                       time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
-                      margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None) -> Plan:
+                      margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None,
+                      deterministic: bool = False) -> Plan:
     """Plan ``model`` with pipeline parallelism where it pays.
 
     * ``mesh`` with a ``pp`` axis ("pp=2,tp=2"): the pipeline has that many
@@ -208,7 +209,25 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     identical layers gets a planning-only plan (stages and costs, no per-node
     strategies); ``reuse_layers=False`` captures it whole instead.
     ``cache``: a plan cache directory (autopar/plancache.py): the stage ILPs
-    reuse its solved layer classes, a plan without a pipeline its plans."""
+    reuse its solved layer classes, a plan without a pipeline its plans.
+    ``deterministic`` leaves the wall-clock times out of the plan (equal
+    inputs give byte-identical plan.json)."""
+    plan = _compile_pipelined(model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, stages=stages,
+                              microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
+                              optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                              source=source, margin=margin, reuse_layers=reuse_layers, cache=cache,
+                              deterministic=deterministic)
+    if deterministic:
+        plan.solver["wall_s"] = None
+        plan.solver.pop("timings", None)
+        if isinstance(plan.solver.get("pipeline_search"), dict):
+            plan.solver["pipeline_search"]["wall_s"] = None
+    return plan
+
+
+def _compile_pipelined(model, example_inputs, *, mesh, cluster, loss_fn, stages, microbatches, schedule, memory,
+                       recompute, optimizer, precision, time_limit_s, solver, source, margin, reuse_layers, cache,
+                       deterministic) -> Plan:
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh)
     cluster = get_cluster(cluster)
@@ -218,7 +237,8 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
-    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, cache=cache, **options)
+    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, cache=cache,
+                deterministic=deterministic, **options)
     accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
                       source=source, reuse_layers=bool(reuse_layers), t0=t0, cache=cache, **options)
     accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
