@@ -224,7 +224,7 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     search for a 16-layer GPT of the same layers on 32 GPUs: nothing is solved
     again and the search decides what it decides without the cache (where
     the stage ILPs are solved one by one, not in parallel)."""
-    import autopar.pipeline.pricing as pricing
+    import autopar.planner
     import autopar.solver
     from gpt import lm_loss
     cache = str(tmp_path / "plans")
@@ -237,10 +237,14 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     fresh = search_pipeline(shallow, inputs, world=32, **kw)
     assert fresh.layer_cache is None
 
-    def no_solve(self, options):
-        raise AssertionError("a cached layer class was solved again")
+    solve = autopar.planner.Problem.solve
 
-    monkeypatch.setattr(pricing._StageILP, "solve", no_solve)
+    def no_solve(self, **options):
+        if self.stage:
+            raise AssertionError("a cached layer class was solved again")
+        return solve(self, **options)
+
+    monkeypatch.setattr(autopar.planner.Problem, "solve", no_solve)
     again = search_pipeline(shallow, inputs, world=32, cache=cache, **kw)
     assert again.layer_cache == {"hits": 8, "misses": 0}
     same = lambda found: {k: v for k, v in found.summary().items() if k not in ("wall_s", "layer_cache")}  # noqa: E731

@@ -82,7 +82,8 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                     microbatches: int | None = None, schedule=None, memory: float | None = None,
                     recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
                     time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
-                    margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None) -> PipelineSearch:
+                    margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None,
+                    deadline: float | None = None) -> PipelineSearch:
     """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches,
     schedule and recomputation for each factorisation.
 
@@ -93,8 +94,10 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     stage's gradients once per step. ``stages=1`` or a single stage candidate
     is "no pipeline": one microbatch of the whole local batch. ``cache``: a
     plan cache directory (autopar/plancache.py) whose solved layer classes
-    answer the stage ILPs solved before."""
+    answer the stage ILPs solved before. The stage ILPs end by ``deadline``
+    (time.perf_counter(); default ``time_limit_s`` from now)."""
     t0 = time.perf_counter()
+    deadline = deadline if deadline is not None else t0 + time_limit_s
     cluster = get_cluster(cluster)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if loss_fn is None:
@@ -108,7 +111,7 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     pairs = [(t, b) for t in tps for b in points]
     solved = price(model, example_inputs, loss_fn, [(Mesh((t,), ("tp",)), b) for t, b in pairs], cluster,
                    optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                   reuse_layers=reuse_layers is not False, cache=cache)
+                   reuse_layers=reuse_layers is not False, cache=cache, deadline=deadline)
     profiles = dict(zip(pairs, solved))
     first = solved[0]
     n = len(first.layers)
@@ -237,8 +240,14 @@ def _compile_pipelined(model, example_inputs, *, mesh, cluster, loss_fn, stages,
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
-    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, cache=cache,
-                deterministic=deterministic, **options)
+    deadline = t0 + time_limit_s  # the whole compile's
+
+    def compile_flat_(model, inputs, mesh):
+        """The flat planner in what is left of the time limit."""
+        return compile_flat(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory, source=source,
+                            cache=cache, deterministic=deterministic, optimizer=optimizer, precision=precision,
+                            solver=solver, time_limit_s=max(deadline - time.perf_counter(), 1e-3))
+
     accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
                       source=source, reuse_layers=bool(reuse_layers), t0=t0, cache=cache, **options)
     accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
@@ -248,19 +257,20 @@ def _compile_pipelined(model, example_inputs, *, mesh, cluster, loss_fn, stages,
             raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
                                f"coordinate of its pp axis; use a mesh with pp={stages}")
         if p == 1 and not accumulates:
-            return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
+            return compile_flat_(model, example_inputs, _inner_mesh(mesh))
         return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
     if stages == 1 and not accumulates:
-        return compile_flat(model, example_inputs, mesh=mesh, **flat)
+        return compile_flat_(model, example_inputs, mesh)
     if stages == 1:
         return _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
                             recompute=recompute, reuse_layers=reuse_layers, margin=margin,
-                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, cache=cache, **options)
+                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, cache=cache, deadline=deadline,
+                            **options)
     if not found.pipeline:
         plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate) \
-            if accumulates else compile_flat(model, example_inputs, mesh=mesh, **flat)
+            if accumulates else compile_flat_(model, example_inputs, mesh)
         plan.solver["pipeline_search"] = found.summary()
         return plan
     best = found.pipelined
@@ -326,7 +336,7 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
         ms = [m for m in _divisors(B) if m >= min(p, B)][:MAX_MICROBATCH_CANDIDATES]
     solved = price(model, example_inputs, loss_fn, [(inner, B // m) for m in ms], cluster, pp_link=pp_link,
                    optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                   reuse_layers=reuse_layers, cache=cache)
+                   reuse_layers=reuse_layers, cache=cache, deadline=t0 + time_limit_s)
     cands, evaluated = [], 0
     for m, prof in zip(ms, solved):
         pairs = _schedules(schedule, p, m, len(prof.layers))
