@@ -126,7 +126,7 @@ def test_unequal_layers_get_balanced_stages():
         idx = torch.zeros(16, 256, dtype=torch.long)
     prof = profile(model, (idx, idx), lm_loss, Mesh((1,), ("tp",)), "dgx-a100", microbatch=2)
     assert prof.names[-1] == "head" and prof.layers[-1].time_s > 1.3 * prof.layers[2].time_s
-    kw = dict(p=4, m=8, schedule=Schedule.ONE_F_ONE_B, v=1, recompute=False, budget=math.inf)
+    kw = dict(p=4, m=8, schedule=Schedule.ONE_F_ONE_B, v=1, recompute="none", budget=math.inf)
     best = evaluate(prof, **kw)
     blocks = [sum(1 for k in range(i, j) if prof.names[k].startswith("blocks.")) for i, j in best.ranges]
     assert blocks[-1] < blocks[1], f"the head's stage keeps as many blocks ({blocks}) as a middle one"
@@ -336,9 +336,17 @@ def test_two_stages_on_two_ranks(tmp_path):
 
 @pytest.mark.launch
 def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
-    """Also with every block recomputed in backward (checkpointed inside its stage)."""
-    r, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:small"], "1f1b", "none,full")
+    """Also with every block recomputed in backward (checkpointed inside its
+    stage), and with each block's selective regions recomputed (the attention
+    core: passes/recompute.py; the explicit attention's scores and softmax),
+    as the search may choose."""
+    r, selective, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:explicit"], "1f1b",
+                                      "none,selective,full")
     assert recomputed["plan"]["recompute"] == {"mode": "full", "layers": ["blocks.0", "blocks.1"]}
+    chosen = selective["plan"]["recompute"]
+    assert chosen["mode"] == "selective" and chosen["layers"] == ["blocks.0", "blocks.1"] and chosen["regions"]
+    # the regions run under checkpoints in the stage programs
+    assert sum(selective["plan"]["programs"].values()) > sum(r["plan"]["programs"].values())
     assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1], [2, 3]]
     assert any(p[1] != "R" for p in r["plan"]["parameters"].values()), "no tensor parallelism inside the stages"
     # what crosses the cut travels as shards of the submesh, each rank to its peer
@@ -429,3 +437,30 @@ def test_deterministic_pipelined_compiles_are_byte_identical():
     assert plans[0].dumps() == plans[1].dumps()
     timed = autopar.compile(model, inputs, **kw)
     assert timed.solver["wall_s"] > 0 and timed.solver["pipeline_search"]["wall_s"] > 0
+
+
+def test_selective_recomputation_is_a_pipeline_option():
+    """Stages may recompute each block's selective regions (the explicit
+    attention's scores and softmax, passes/recompute.py), priced on the same
+    plan by the flat planner's accounting: less kept than without
+    recomputation, less time than recomputing whole blocks. Under a budget
+    that the plan without recomputation exceeds, the search takes selective
+    over full recomputation."""
+    from gpt import GPT, GPTConfig, lm_loss
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=1024, seq=512, hidden=256, heads=8, layers=8, attention="explicit"))
+        idx = torch.zeros(16, 512, dtype=torch.long)
+    prof = profile(model, (idx, idx), lm_loss, Mesh((2,), ("tp",)), "dgx-a100", microbatch=2)
+    assert prof.selective is not None and prof.selective_rc.regions
+    block = prof.names.index("blocks.3")
+    none, sel = prof.layers[block], prof.selective[block]
+    assert sel.act_bytes < 0.7 * none.act_bytes and sel.recomputed_bytes > 0
+    assert none.time_s < sel.time_s < none.time_s + none.fwd_s  # cheaper than recomputing the whole block
+    kw = dict(p=2, m=8, schedule=Schedule.ONE_F_ONE_B, v=1)
+    plans = {mode: evaluate(prof, **kw, recompute=mode, budget=math.inf) for mode in ("none", "selective", "full")}
+    assert plans["none"].step_s < plans["selective"].step_s < plans["full"].step_s
+    assert plans["full"].memory_bytes < plans["selective"].memory_bytes < plans["none"].memory_bytes
+    budget = plans["selective"].memory_bytes * 1.02  # no split of the blocks fits it without recomputation
+    assert evaluate(prof, **kw, recompute="none", budget=budget) is None
+    assert evaluate(prof, **kw, recompute="selective", budget=budget).step_s < \
+        evaluate(prof, **kw, recompute="full", budget=budget).step_s

@@ -77,7 +77,7 @@ def _topology(mesh: Mesh, cluster) -> list:
 def _pipeline_section(cand: Candidate, stages: list) -> dict:
     return {"schedule": cand.schedule.value, "microbatches": cand.microbatches,
             "virtual_stages": cand.virtual_stages, "axis": PP_AXIS,
-            "recompute": "full" if cand.recompute else "none", "microbatch_size": cand.microbatch,
+            "recompute": cand.recompute, "microbatch_size": cand.microbatch,
             "optimizer_sharding": "zero-1",  # over a submesh axis each parameter is replicated on (zero1_axis)
             "bubble_fraction": bubble_fraction(cand.schedule, cand.stages, cand.microbatches, cand.virtual_stages),
             "stages": stages}
@@ -147,9 +147,19 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
     return plan
 
 
-def _recompute_section(cand: Candidate) -> dict:
-    """plan.recompute: the numbered layers run under activation checkpointing."""
-    layers = [lc.name for lc in cand.profile.layers if cand.recompute and lc.recomputable]
+def _recompute_section(cand: Candidate, regions: bool = True) -> dict:
+    """plan.recompute: the numbered layers run under activation checkpointing,
+    whole (full) or their selective regions (listed where the plan has the
+    graph's nodes, ``regions``)."""
+    prof = cand.profile
+    if cand.recompute == "selective":
+        rc = prof.selective_rc
+        layers = [lc.name for lc, sel in zip(prof.layers, prof.selective) if sel.recomputed_bytes > 0]
+        out = {"mode": "selective", "layers": layers}
+        if regions:
+            out["regions"] = [list(r) for r in rc.regions]
+        return out
+    layers = [lc.name for lc in prof.layers if cand.recompute == "full" and lc.recomputable]
     return {"mode": "full" if layers else "none", "layers": layers}
 
 
@@ -246,7 +256,7 @@ def plan_from_candidate(cand: Candidate, mesh: Mesh, cluster, source: str | None
     plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster),
                 {"source": source, "fingerprint": None, "has_loss": True}, params, [], [], collectives,
                 _predicted(cand, cluster, mesh), solver_info, pipeline)
-    plan.recompute = _recompute_section(cand)
+    plan.recompute = _recompute_section(cand, regions=False)
     if prof.repeated:
         plan.warnings.append(f"priced by repetition: the {prof.repeated[1]} layers of {prof.repeated[0]} were "
                              f"priced on a {prof.repeated[2]}-layer copy; the plan has no per-node strategies, "

@@ -20,6 +20,7 @@ from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
 from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
+from autopar.passes.recompute import NONE, Recomputation, recomputation
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
 from autopar.pipeline.layers import Layers, group_layers
@@ -57,6 +58,9 @@ class LayerCost:
     """Bytes of the parameter shards this device's optimizer updates in a pipeline."""
     act_bytes: float = 0.0
     """Activations saved for backward, and resharded copies kept for it."""
+    recomputed_bytes: float = 0.0
+    """Activations made again during its backward instead (the regions
+    selective recomputation runs again, ``Profile.selective``)."""
     transient_bytes: float = 0.0
     """The largest gradient working set of one of its ops in backward
     (graph_costs.backward_working_set)."""
@@ -131,6 +135,13 @@ class Profile:
     dtype: str = "fp32"
     """Compute dtype of the peak FLOP/s (for MFU)."""
     ctx: CostContext | None = None
+    selective: list | None = None
+    """The layers' costs under selective recomputation (passes/recompute.py:
+    the pieces of each numbered layer between parameter uses that free the
+    most memory per recomputed second), on the same plan; None where the
+    model's layers cannot take it."""
+    selective_rc: Recomputation | None = None
+    """Its regions (of ``graph``)."""
 
     @property
     def names(self) -> list:
@@ -147,10 +158,14 @@ class Profile:
         def mix(a, b, names):
             return {n: max(0.0, getattr(a, n) + k * (getattr(b, n) - getattr(a, n))) for n in names}
 
-        layers = [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
-                  for a, b in zip(self.layers, other.layers)]
+        def mixed(mine, theirs):
+            return [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
+                    for a, b in zip(mine, theirs)]
+
         cuts = [Cut(**mix(a, b, _NUMERIC_CUT)) for a, b in zip(self.cuts, other.cuts)]
-        return replace(self, layers=layers, cuts=cuts, microbatch=microbatch)
+        selective = mixed(self.selective, other.selective) if self.selective and other.selective else None
+        return replace(self, layers=mixed(self.layers, other.layers), cuts=cuts, microbatch=microbatch,
+                       selective=selective)
 
 
 @dataclass
@@ -195,16 +210,19 @@ def once_per_step(src: Node, spec: tuple, move) -> bool:
     return src.kind is NodeKind.PARAM and isinstance(spec[move.axis], Replicate)
 
 
-def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
+def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link,
+           rc: Recomputation = NONE) -> tuple[list, list]:
     """Per-layer costs: the flat planner's accounting of the chosen plan
-    (planner.node_costs), summed by layer, the gradient reductions a
-    pipeline makes once per step apart (``once_per_step``); and the cuts."""
+    (planner.node_costs) under recomputation ``rc``, summed by layer, the
+    gradient reductions a pipeline makes once per step apart
+    (``once_per_step``); and the cuts."""
     grad = needs_grad(graph)
     ms = ctx.mesh_shape
     costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
              for name in layers.names]
-    for cost in node_costs(graph, chosen, ctx):
+    for cost in node_costs(graph, chosen, ctx, rc):
         node, s = graph.nodes[cost.name], cost.strategy
+        again = cost.name in rc.nodes  # what it keeps is made again in its region's backward
         lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
         lc.fwd_s += cost.fwd_s
         lc.bwd_s += cost.bwd_s
@@ -217,14 +235,20 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             k = ms[axis] if axis is not None else 1
             lc.sharded_optimizer_bytes += parts.get("optimizer", 0.0) / k
             lc.updated_bytes += parts.get("parameters", 0.0) / k
-        lc.act_bytes += cost.activations
+        if cost.dropped:
+            lc.recomputed_bytes += cost.activations
+        else:
+            lc.act_bytes += cost.activations
         if node.kind is NodeKind.OP and node.info is not None:
             rule = get_rule(node.target)
             if rule is not None and rule.matmul:
                 lc.flops += op_flops(node) * (3 if node.name in grad else 1)
         for edge in cost.edges:
-            lc.act_bytes += edge.held
-            lc.comm_s += sum(mv.seconds for mv in edge.fwd)
+            if again:
+                lc.recomputed_bytes += edge.held
+            else:
+                lc.act_bytes += edge.held
+            lc.comm_s += sum(mv.seconds for mv in edge.fwd) + sum(mv.seconds for mv in edge.again)
             for mv in edge.bwd:
                 if once_per_step(graph.nodes[edge.src], chosen[edge.src].output, mv):
                     lc.sync_s += mv.seconds
@@ -379,8 +403,17 @@ def _profile(ilp: _Stage, solution, pp_link, precision: str) -> Profile:
     graph, layers, problem = ilp.graph, ilp.layers, ilp.problem
     chosen = Solved(problem, solution).chosen
     costs, cuts = _price(graph, layers, chosen, problem.ctx, pp_link)
+    try:
+        rc = recomputation(graph, "selective", ctx=problem.ctx)
+    except AutoparError as e:  # layers a checkpoint cannot hold: selective is not offered
+        log.info("autopar: selective recomputation is not an option in this pipeline: %s", e)
+        rc = None
+    selective = _price(graph, layers, chosen, problem.ctx, pp_link, rc)[0] if rc is not None and rc.regions \
+        else None
     forbidden = set(layers.forbidden)
     if ilp.repeated:
+        if selective is not None:
+            selective = _expand(selective, cuts, layers, ilp.repeated[1])[0]
         costs, cuts, forbidden = _expand(costs, cuts, layers, ilp.repeated[1])
     if precision != "fp32":
         dtype = precision
@@ -388,7 +421,8 @@ def _profile(ilp: _Stage, solution, pp_link, precision: str) -> Profile:
         dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
         dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
     return Profile(costs, cuts, forbidden, ilp.submesh, ilp.microbatch, graph, layers, chosen, problem.strategies,
-                   solution, ilp.repeated, problem.fallbacks, dtype, problem.ctx)
+                   solution, ilp.repeated, problem.fallbacks, dtype, problem.ctx, selective,
+                   rc if selective is not None else None)
 
 
 def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool, cache: dict):

@@ -16,7 +16,9 @@ from autopar.plan import Plan
 from autopar.planner import plan_flat as compile_flat
 from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
 from autopar.pipeline.pricing import Profile, batch_size, profiles as price
-from autopar.pipeline.stages import Candidate, MARGIN, Schedule, evaluate, should_pipeline, _best, _schedules
+from autopar.pipeline.stages import (
+    Candidate, MARGIN, Schedule, evaluate, recompute_modes, should_pipeline, _best, _schedules,
+)
 
 
 MICROBATCH_PER_DP_RANK = (1, 2)
@@ -80,7 +82,7 @@ def _divisors(n: int) -> list:
 
 def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, loss_fn, stages: int | None = None,
                     microbatches: int | None = None, schedule=None, memory: float | None = None,
-                    recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                    recompute: str | None = None, optimizer: str = "adamw", precision: str = "fp32",
                     time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
                     margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None,
                     deadline: float | None = None) -> PipelineSearch:
@@ -117,7 +119,6 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     n = len(first.layers)
     evaluated = feasible = 0
     pipelined, flat = [], []
-    recomputes = [recompute] if recompute is not None else [False, True]
     for t in tps:
         for p in _divisors(world // t):
             if p > n or (stages is not None and p != stages):
@@ -134,7 +135,7 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                     continue
                 prof = _with_pp_link(_profile_at(profiles, t, b0, points), links[0] if p > 1 else None)
                 for sched, v in _schedules(schedule, p, m, n):
-                    for rc in recomputes:
+                    for rc in recompute_modes(prof, recompute):
                         evaluated += 1
                         c = evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget, dp=d,
                                      dp_link=links[1])
@@ -189,7 +190,7 @@ def _microbatch_statistics(model: nn.Module, microbatches: int) -> list[str]:
 
 def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn, stages: int | None = None,
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
-                      recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                      recompute: str | None = None, optimizer: str = "adamw", precision: str = "fp32",
                       time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
                       margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None,
                       deterministic: bool = False) -> Plan:
@@ -206,8 +207,8 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
       ``microbatches`` > 1, a one-stage pipeline: gradient accumulation over
       the microbatches, reduced once per step, ZeRO-1 over data parallelism.
     ``microbatches`` / ``schedule`` ("gpipe", "1f1b", "interleaved-1f1b") pin
-    those choices; ``recompute`` pins full activation recomputation on or off
-    (the runtime does not recompute yet). The plan's ``pipeline`` section is
+    those choices; ``recompute`` pins the stages' activation recomputation
+    ("none", "selective" or "full"; by default the search tries each). The plan's ``pipeline`` section is
     None when it does not pipeline. A model on the meta device with many
     identical layers gets a planning-only plan (stages and costs, no per-node
     strategies); ``reuse_layers=False`` captures it whole instead.
@@ -343,7 +344,7 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
         if virtual_stages is not None:
             pairs = [(s, v) for s, v in pairs if v == virtual_stages]
         for sched, v in pairs:
-            for rc in ([recompute] if recompute is not None else [False, True]):
+            for rc in recompute_modes(prof, recompute):
                 evaluated += 1
                 cands.append(evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget))
     best = _best(cands)
