@@ -358,7 +358,11 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     # once where cores allow.
     results = [solve_one(tried[0][1])]
     if len(tried) > 1 and not settles(tried[0][1], results[0]):
-        results += in_parallel(solve_one, [rc for _, rc in tried[1:]])
+        if time.perf_counter() < deadline:
+            results += in_parallel(solve_one, [rc for _, rc in tried[1:]])
+        else:  # the time limit is spent: the other options are not tried
+            results += [InfeasibleError(f"recompute {n!r} not solved: the compile's time limit was spent",
+                                        status="TIME LIMIT") for n, _ in tried[1:]]
     best, errors, candidates = None, [], []
     for k, ((name, rc), sol) in enumerate(zip(tried, results)):
         label = _label(name, rc)

@@ -86,7 +86,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
 
     def build(follow_edges: bool):
-        ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend)
+        ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend, deadline=t0 + time_limit_s)
         if not follow_edges:
             ilp.follow_edges = False
         reps = {ilp.rep[name]: i for name, i in (pinned or {}).items()}
@@ -96,17 +96,28 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         ilp.reshard_edges()
         return ilp, reps, {**early, **ilp.prune_dominated(memory_budget, reps)}
 
-    ilp, pinned, pruned = build(_ILP.follow_edges)
-    if memory_budget is not None and ilp.followed and ilp.most > memory_budget:
-        # Under a budget that may bind, the pairs into followers are not dominated: where a reshard
-        # runs changes what is held (a budget sweep lost 3.5% to them): the full model
-        ilp, pinned, pruned = build(False)
-    # where no plan can exceed the budget (``most``), its rows cannot bind: left out
-    bounded = memory_budget is not None and ilp.most > memory_budget
-    rows = ilp.budget_rows(memory_budget) if bounded else []
-    ilp.host_rows()
-    built = time.perf_counter() - t0
-    left = lambda: time_limit_s - (time.perf_counter() - t0)  # noqa: E731  the limit covers building too
+    try:
+        ilp, pinned, pruned = build(_ILP.follow_edges)
+        if memory_budget is not None and ilp.followed and ilp.most > memory_budget:
+            # Under a budget that may bind, the pairs into followers are not dominated: where a reshard
+            # runs changes what is held (a budget sweep lost 3.5% to them): the full model
+            ilp, pinned, pruned = build(False)
+        # where no plan can exceed the budget (``most``), its rows cannot bind: left out
+        bounded = memory_budget is not None and ilp.most > memory_budget
+        rows = ilp.budget_rows(memory_budget) if bounded else []
+        ilp.host_rows()
+        built = time.perf_counter() - t0
+        left = lambda: time_limit_s - (time.perf_counter() - t0)  # noqa: E731  the limit covers building too
+        # A solve takes at least about as long as building its model did, whatever its time limit (HiGHS's
+        # MIP setup alone: 2.1 s for the README demo's model, built in 2.5 s): not started with less left.
+        if left() < SOLVE_AFTER_BUILD * built:
+            raise _OutOfTime()
+    except _OutOfTime:
+        raise InfeasibleError(
+            f"the ILP found no plan within the {max(time_limit_s, 0.0):.3g} s left of the compile's time limit (it "
+            "was still being built, or there was too little time left to solve it); raise it with time_limit_s= "
+            "(autopar compile --time-limit)", status="TIME LIMIT") from None
+    ilp.min_solve_s = SOLVE_AFTER_BUILD * built
     result, status, params = ilp.solve(left(), relative_gap)
     if result is not None and ilp.overlap:
         result = ilp.price_exposed_sync(result, params, left(), relative_gap)
@@ -116,7 +127,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             need = ilp.least_memory(rows, params, left())
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
         name = _NAMES.get(status, str(status))
-        if status != pywraplp.Solver.INFEASIBLE and wall >= 0.9 * time_limit_s:
+        if status != pywraplp.Solver.INFEASIBLE and (wall >= 0.9 * time_limit_s or ilp.out_of_time):
             raise InfeasibleError(
                 f"the ILP found no plan within the {max(time_limit_s, 0.0):.3g} s left of the compile's time "
                 f"limit (solver status {name}, "
@@ -134,6 +145,18 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                      "backend": backend, "window_exposed_s": ilp.first_exposed_s,
                      "solved_nodes": len(ilp.count), "solved_as_lp": ilp.by_lp,
                      "clustered_nodes": len(graph.nodes) - len(ilp.count)}, build_s=built)
+
+
+class _OutOfTime(Exception):
+    """The compile's deadline passed while the ILP was being built, or too little time is left to solve it."""
+
+
+SOLVE_AFTER_BUILD = 1.0
+"""A solve starts only with at least this many times the model's build time
+left: HiGHS sets up a MIP (presolve, its first LP) whatever its time limit,
+in about the time the model took to build (2.1 s against 2.5 s for the README
+demo's 26,500 variables on this 2-core machine), so a solve started later
+would end past the compile's time limit."""
 
 
 _OK = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
@@ -164,8 +187,9 @@ class _ILP:
     (``run``); False solves the MIP at once (tests compare the two optima)."""
 
     def __init__(self, graph: Graph, strategies: dict, ctx: CostContext, classes: dict | None,
-                 recomputed: Recomputation, backend: str):
+                 recomputed: Recomputation, backend: str, deadline: float = math.inf):
         self.graph, self.strategies, self.ctx, self.recomputed = graph, strategies, ctx, recomputed
+        self.deadline = deadline  # time.perf_counter() by which building must end (the compile's time limit)
         self.grad = needs_grad(graph)
         self.kept_share, self.read = recomputed.kept(graph)
         self.rep = classes or {name: name for name in graph.nodes}
@@ -205,6 +229,8 @@ class _ILP:
         self._alive: dict = {}  # node -> its strategies not fixed off (_live)
         self.relaxed: list = []  # the x variables an LP solve left continuous (``run``)
         self.by_lp = 0  # solves the LP relaxation answered (``run``)
+        self.min_solve_s = 0.0  # the least time a MIP solve is started with (``SOLVE_AFTER_BUILD``)
+        self.out_of_time = False  # a solve not started for lack of time
 
     def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
         """x[n][s]: one binary per strategy of each representative, exactly one
@@ -297,6 +323,8 @@ class _ILP:
         shared: dict = {}  # group -> [seconds per instance, producer instances, [(selection, instances
         # behind it)], {copies}]
         for (src, dst, idx), times in edges.items():
+            if time.perf_counter() > self.deadline:
+                raise _OutOfTime()
             self._edge(src, dst, idx, times, replayed[src, dst, idx], producers[src, dst, idx],
                        keeping[src, dst, idx], instances[src, dst, idx], shared)
         for consumer, terms in self.resharded_grads.items():
@@ -646,7 +674,11 @@ class _ILP:
         self.integral()
         if status == pywraplp.Solver.INFEASIBLE:
             return status  # the relaxation has no solution: neither has the MIP
-        _time_limit(model, time_limit_s - (time.perf_counter() - t0))
+        spent = time.perf_counter() - t0
+        if time_limit_s - spent < max(spent, self.min_solve_s):  # the MIP costs at least its LP and its setup
+            self.out_of_time = True
+            return pywraplp.Solver.NOT_SOLVED
+        _time_limit(model, time_limit_s - spent)
         with _quiet_stdout():
             return model.Solve(params)
 
@@ -685,7 +717,7 @@ class _ILP:
         README demo's unclustered model needed two such bounds, 26.6 s on this
         machine, against 17.8 s with the exposure in the model;
         docs/performance.md.)"""
-        model, window = self.model, self.window
+        model, window, t0 = self.model, self.window, time.perf_counter()
         short, _ = window.most_exposed(lambda v: v.solution_value())
         self.first_exposed_s = short / US
         if short <= 1e-9:
@@ -694,8 +726,10 @@ class _ILP:
         if first[2] - first[3] <= relative_gap * first[2]:
             return first
         first = self.snapshot("FEASIBLE", short)
+        if left_s < self.min_solve_s:
+            return first  # no time to solve again: the first plan, priced
         self.exposed_sync_rows()
-        status = self.run(params, left_s)
+        status = self.run(params, left_s - (time.perf_counter() - t0))
         if status not in _OK:
             return first
         again = self.snapshot(_NAMES[status])
