@@ -24,7 +24,7 @@ from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
-    needs_grad, node_compute,
+    needs_grad, node_compute, op_moves,
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
@@ -513,6 +513,13 @@ class NodeCost:
     working: float
     """Bytes alive for a moment during its backward: its gradients and its inputs' gradients resharded."""
     edges: list
+    own_fwd: list
+    """Collectives inside the op (graph_costs.op_moves: batch norm's statistics over a split batch, the
+    balanced causal attention's exchanges), forward..."""
+    own_bwd: list
+    """... backward ..."""
+    own_again: list
+    """... and forward again in backward where recomputed."""
 
 
 def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation = NONE) -> list:
@@ -527,6 +534,7 @@ def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation =
         recomputed = node.name in rc.nodes
         if recomputed:
             b += f  # the forward runs again in backward
+        own_fwd, own_bwd = op_moves(node, s, ctx, node.name in grad)  # collectives inside the op
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         acts = parts.pop("activations", 0.0)
         working = backward_working_set(graph, node, s, ctx, grad) if node.kind is NodeKind.OP and node.name in grad \
@@ -548,7 +556,8 @@ def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation =
             edges.append(EdgeCost(src, idx, fwd, bwd, again, held,
                                   gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward) if param else 0.0,
                                   param and gathers(fwd)))
-        out.append(NodeCost(node.name, s, f, b, parts, acts, rc.drops(node.name), working, edges))
+        out.append(NodeCost(node.name, s, f, b, parts, acts, rc.drops(node.name), working, edges, own_fwd, own_bwd,
+                            own_fwd if recomputed else []))
     return out
 
 
@@ -569,6 +578,13 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     for cost in node_costs(graph, chosen, ctx, rc):
         node, s = graph.nodes[cost.name], cost.strategy
         compute += cost.fwd_s + cost.bwd_s
+        for phase, moves in (("forward", cost.own_fwd), ("backward", cost.own_bwd), ("recompute", cost.own_again)):
+            for m in moves:  # collectives inside the op
+                comm += m.seconds
+                collectives.append({"kind": m.kind.value, "phase": phase,
+                                    "mesh_axes": [mesh.names[a] for a in m.axes or (m.axis,)],
+                                    "bytes": m.nbytes, "seconds": m.seconds, "node": node.name,
+                                    "producer": node.name, "tensor": node.name, "gradient_sync": False})
         window.compute(node.name, None, cost.bwd_s)
         timeline.activation(node.name, None, cost.activations)
         mem = sum(cost.parts.values()) + (0.0 if cost.dropped else cost.activations)

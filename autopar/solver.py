@@ -28,7 +28,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
-    needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
+    needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
@@ -253,19 +253,21 @@ class _ILP:
                         v.SetUb(0)
             node, backward = graph.nodes[name], name in self.grad
             priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
-                             optimizer_time(node, st, ctx) if optimizer_step else 0.0)
+                             optimizer_time(node, st, ctx) if optimizer_step else 0.0,
+                             op_moves(node, st, ctx, backward))
                             for st in strategies[name]]
         for name in graph.nodes:
             r = self.rep[name]
             again = name in self.recomputed.nodes
             own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
-            for i, ((f, b), (kept_all, acts, later), opt) in enumerate(priced[r]):
+            for i, ((f, b), (kept_all, acts, later), opt, (mf, mb)) in enumerate(priced[r]):
                 if own:
                     kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx,
                                                    kept_share.get(name, 0.0))
                 b += f if again else 0.0  # the forward runs again in backward
+                moved = sum(m.seconds for m in mf) * (2 if again else 1) + sum(m.seconds for m in mb)
                 v = self.x[r][i]
-                _add(self.objective, v, (f + b + opt) * US)
+                _add(self.objective, v, (f + b + opt + moved) * US)
                 if self.overlap:
                     self.window.compute(name, v, b * US)
                 _add(self.always, v, kept_all)

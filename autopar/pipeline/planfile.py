@@ -177,6 +177,12 @@ def _collectives(cand: Candidate, ctx: CostContext, costs: list, stage_of: dict,
     for cost in costs:
         node = graph.nodes[cost.name]
         stage = stage_of.get(node.name, len(cand.ranges) - 1)
+        for phase, moves in (("forward", cost.own_fwd), ("backward", cost.own_bwd)):
+            for mv in moves:  # collectives inside the op
+                out.append({"kind": mv.kind.value, "phase": phase,
+                            "mesh_axes": [inner.names[a] for a in mv.axes or (mv.axis,)],
+                            "bytes": mv.nbytes, "seconds": mv.seconds, "node": node.name, "producer": node.name,
+                            "tensor": node.name, "gradient_sync": False, "stage": stage, "per_step": m})
         for edge in cost.edges:
             src = edge.src
             for phase, moves in (("forward", edge.fwd), ("backward", edge.bwd)):

@@ -226,6 +226,7 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
         lc.fwd_s += cost.fwd_s
         lc.bwd_s += cost.bwd_s
+        lc.comm_s += sum(mv.seconds for moves in (cost.own_fwd, cost.own_bwd, cost.own_again) for mv in moves)
         parts = cost.parts
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
