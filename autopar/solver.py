@@ -410,7 +410,7 @@ class _ILP:
         to a consumer's key ``kid``: what the edge costs depends on the
         specs, the key and the tensor alone, so edges of repeated layers (and
         other edges alike) share one pricing."""
-        cache_key = (sid, kid, meta, backward)
+        cache_key = (sid, kid, meta.shape, meta.dtype, backward)  # tuples compare faster than TensorMeta
         hit = self._pairs.get(cache_key)
         if hit is None:
             spec, key = self._values[sid], self._values[kid]
@@ -421,7 +421,7 @@ class _ILP:
         return hit
 
     def _held(self, sid: int, kid: int, meta, saved: bool, read: bool) -> float:
-        cache_key = (sid, kid, meta, saved, read)
+        cache_key = (sid, kid, meta.shape, meta.dtype, saved, read)
         held = self._kept.get(cache_key)
         if held is None:
             held = self._kept[cache_key] = edge_memory(self._values[sid], self._values[kid][0], meta, self.ctx,
