@@ -464,3 +464,25 @@ def test_selective_recomputation_is_a_pipeline_option():
     assert evaluate(prof, **kw, recompute="none", budget=budget) is None
     assert evaluate(prof, **kw, recompute="selective", budget=budget).step_s < \
         evaluate(prof, **kw, recompute="full", budget=budget).step_s
+
+
+def test_stage_pricing_sums_the_flat_planners_accounting():
+    """One accounting: the per-layer costs a pipeline prices a stage with
+    (pricing._price) add up to the totals the flat planner's plan of the same
+    strategies predicts (planner.build_plan): compute, communication (the
+    gradient syncs included), parameters, gradients and optimizer state."""
+    from autopar.pipeline.pricing import _price
+    from autopar.planner import build_plan, prepare
+    import time as time_
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    graph = capture(model, inputs, loss)
+    problem = prepare(graph, "2", "dgx-a100", stage=True)
+    solved = problem.solve(deadline=time_.perf_counter() + 60)
+    plan = build_plan(graph, solved.chosen, problem.strategies, problem.ctx, problem.mesh, solved.solution, None)
+    layers, _ = _price(graph, group_layers(graph), solved.chosen, problem.ctx, None)
+    p, overhead = plan.predicted, problem.ctx.cluster.device.step_overhead
+    assert sum(lc.fwd_s + lc.bwd_s for lc in layers) == pytest.approx(p["compute_s"] - overhead)
+    assert sum(lc.comm_s + lc.sync_s for lc in layers) == pytest.approx(p["comm_s"])
+    assert sum(lc.sync_s for lc in layers) <= p["grad_sync_s"] + 1e-12 and p["comm_s"] > 0
+    for part, field in (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer", "optimizer_bytes")):
+        assert sum(getattr(lc, field) for lc in layers) == pytest.approx(p["memory"][part])
