@@ -36,7 +36,7 @@ from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.timeline import SyncWindow, Timeline, first_consumers
-from autopar.solver import in_parallel, solve
+from autopar.solver import in_parallel, memory_bound, solve
 
 log = logging.getLogger("autopar")
 
@@ -181,19 +181,20 @@ def prepare(graph: Graph, mesh, cluster, *, memory: float | None = None, optimiz
         elif not (offload and cluster.host is not None):  # no offload twins in the ILP at all
             strategies = {name: [s for s in ss if not s.offload] for name, ss in strategies.items()}
         notes = [] if stage else _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
+    if stage:
+        cluster = replace(cluster, overlap_grad_sync=False)
+    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage)
+    budget = None if stage else memory if memory is not None else cluster.device.memory
     with phases("cluster"):
         if opt_level not in (1, 2):
             raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
         if cluster_layers is None:
             cluster_layers = stage or opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
-        alone = 1 if stage else SOLVED_ALONE
-        layers = [c for c in repeated_layers(graph) if len(c) > alone] if cluster_layers else []
+        layers = repeated_layers(graph) if cluster_layers else []
+        if not stage and (budget is None or memory_bound(graph, strategies, ctx) <= budget):
+            layers = [c for c in layers if len(c) > SOLVED_ALONE]  # memory cannot bind: see SOLVED_ALONE
         classes = _Classes(graph, layers)
         pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
-    if stage:
-        cluster = replace(cluster, overlap_grad_sync=False)
-    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage)
-    budget = None if stage else memory if memory is not None else cluster.device.memory
     return Problem(graph, mesh, strategies, fallbacks, notes, classes, pinned, ctx, budget, bool(cluster_layers),
                    stage, opt_level)
 
@@ -211,11 +212,14 @@ peeled); under a binding one, HiGHS may need 50x, and the clustered plan
 stands."""
 
 SOLVED_ALONE = 4
-"""A class of this many repeated layers or fewer is not clustered: every layer
-is solved on its own from the start. Its peel (``deeper_ends``) would solve it
+"""Where memory cannot bind (solver.memory_bound under the budget), a class
+of this many repeated layers or fewer is not clustered: every layer is
+solved on its own from the start. Its peel (``deeper_ends``) would solve it
 layer by layer at the first refinement, and the clustered solve before that
 costs more than it saves (the README demo's two blocks: 9.8 s clustered, then
-28.1 s layer by layer, on this machine)."""
+28.1 s layer by layer, on this machine). Under a budget that may bind, the
+clustered solve comes first as before: the unclustered model with its memory
+rows can take HiGHS 50x longer (tests/test_memory.py's GPT)."""
 
 O2_MAX_UNCLUSTERED_NODES = 3000
 """-O2 solves every node separately up to this graph size (a few seconds of HiGHS

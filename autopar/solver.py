@@ -85,6 +85,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     if backend not in BACKENDS:
         raise ValueError(f"solver backend {backend!r} is not one of {BACKENDS}")
 
+    most = memory_bound(graph, strategies, ctx, recomputed) if memory_budget is not None else math.inf
+
     def build(follow_edges: bool):
         ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend, deadline=t0 + time_limit_s)
         if not follow_edges:
@@ -92,7 +94,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         reps = {ilp.rep[name]: i for name, i in (pinned or {}).items()}
         ilp.choose_strategies(reps, optimizer_step)
         ilp.working_sets()
-        early = ilp.prune_dominated(memory_budget, reps, ilp.memory_bound()) if ilp.prune_early else {}
+        early = ilp.prune_dominated(memory_budget, reps, most) if ilp.prune_early else {}
         ilp.reshard_edges()
         return ilp, reps, {**early, **ilp.prune_dominated(memory_budget, reps)}
 
@@ -145,6 +147,28 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
                      "backend": backend, "window_exposed_s": ilp.first_exposed_s,
                      "solved_nodes": len(ilp.count), "solved_as_lp": ilp.by_lp,
                      "clustered_nodes": len(graph.nodes) - len(ilp.count)}, build_s=built)
+
+
+def memory_bound(graph: Graph, strategies: dict, ctx: CostContext, recomputed: Recomputation = NONE) -> float:
+    """An upper bound of the most memory any plan could take, from the nodes
+    alone (no ILP): each node's largest choice, every edge keeping a copy of
+    its whole tensor twice (its own and a shared reshard's), and the largest
+    working set with every input's gradient resharded at twice its whole size.
+    Under a budget above it, memory cannot bind."""
+    grad, (kept_share, _) = needs_grad(graph), recomputed.kept(graph)
+    held = late = edges = transient = 0.0
+    for node in graph.nodes.values():
+        options = [s for s in strategies[node.name] if ctx.can_offload or not s.offload]
+        sides = [_sides(node, s, ctx, kept_share.get(node.name, 0.0)) for s in options]
+        held += max(a + b for a, b, _ in sides)
+        late += max(c for _, _, c in sides)
+        inputs = sum(ctx.tensor_bytes(graph.nodes[src].outputs[0]) for src in node.inputs)
+        edges += 2 * inputs
+        if node.name in grad:
+            ws = max(param_transient(node, s, ctx) if node.kind is NodeKind.PARAM
+                     else backward_working_set(graph, node, s, ctx, grad) for s in options)
+            transient = max(transient, ws + 2 * inputs)
+    return max(held + edges + transient, late)
 
 
 class _OutOfTime(Exception):
@@ -223,8 +247,8 @@ class _ILP:
         self._values: list = []  # id -> spec or reshard key
         self._outs: dict = {}  # (producer, item) -> its live strategies' spec ids (_out_ids)
         self._keys: dict = {}  # (consumer, input, backward) -> its live strategies' key ids (_key_ids)
-        self._pairs: dict = {}  # (spec id, key id, meta, backward) -> an edge pair's pricing (_pair)
-        self._kept: dict = {}  # (spec id, key id, meta, saved, read) -> edge_memory (_held)
+        self._pairs: dict = {}  # (spec id, key id, shape, dtype, backward) -> an edge pair's pricing (_pair)
+        self._kept: dict = {}  # (spec id, key id, shape, dtype, saved, read) -> edge_memory (_held)
         self._in_place: dict = {}  # (spec id, key id) -> reads_in_place
         self._alive: dict = {}  # node -> its strategies not fixed off (_live)
         self.relaxed: list = []  # the x variables an LP solve left continuous (``run``)
@@ -578,22 +602,6 @@ class _ILP:
             return not self._pair(p[0], kid, first[kid], idx, meta, backward)[5]
 
         return follows
-
-    def memory_bound(self) -> float:
-        """Before the edges are built, an upper bound of ``most``: each node's
-        largest choice, every edge keeping a copy of its whole tensor twice
-        (its own and a shared reshard's), and the largest working set with
-        every input's gradient resharded at twice its whole size."""
-        mem, late, graph, ctx = self.mem, self.late, self.graph, self.ctx
-        edges = transient = 0.0
-        for node in graph.nodes.values():
-            inputs = sum(ctx.tensor_bytes(graph.nodes[src].outputs[0]) for src in node.inputs)
-            edges += 2 * inputs
-            ws = max(self.working.get(node.name, {}).values(), default=0.0)
-            transient = max(transient, ws + 2 * inputs)
-        return max(sum(max(mem.get(v, 0.0) for v in vs) for vs in self.x.values()) + edges
-                   + max(transient, self.largest_transient),
-                   sum(max(late.get(v, 0.0) for v in vs) for vs in self.x.values()))
 
     def prune_dominated(self, budget: float | None, pinned: dict | None, most: float | None = None) -> dict:
         """Fix off dominated choices before solving: where memory cannot bind,
