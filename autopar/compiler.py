@@ -61,7 +61,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         from autopar.outputs import check_dir
         check_dir(cache, "cache", force=True)  # before the solve, not when storing its result
     pipelined, stages, why = _pipelining(pipeline_stages, microbatches, schedule, parse_mesh(mesh), get_cluster(cluster),
-                              trains=loss_fn is not None, pinned=bool(parameter_placements), recompute=recompute)
+                              trains=loss_fn is not None, pinned=bool(parameter_placements))
     if not pipelined:
         plan = plan_flat(model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory,
                          optimizer=optimizer, precision=precision, recompute=recompute, opt_level=opt_level,
@@ -72,15 +72,12 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         return plan
     if parameter_placements:
         raise AutoparError("parameter_placements cannot be pinned in a pipelined plan")
-    if recompute not in ("auto", "none", "full"):
-        raise AutoparError(f"recompute {recompute!r} is not offered in pipelined plans; valid there: "
-                           "'auto', 'none', 'full' (selective recomputation is planned without a pipeline)")
     plan = compile_pipelined(
         model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
         stages=None if stages == "auto" else stages, microbatches=microbatches,
-        schedule=schedule, memory=memory, recompute={"auto": None, "none": False, "full": True}[recompute],
+        schedule=schedule, memory=memory, recompute=None if recompute == "auto" else recompute,
         optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver, source=source,
-        cache=cache)
+        cache=cache, deterministic=deterministic)
     search = plan.solver.get("pipeline_search") or {}
     if "decision" in search:
         why += f"; the search chose {search['decision']}"
@@ -91,8 +88,7 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     return plan
 
 
-def _pipelining(stages, microbatches, schedule, mesh, cluster, *, trains: bool, pinned: bool,
-                recompute: str) -> tuple:
+def _pipelining(stages, microbatches, schedule, mesh, cluster, *, trains: bool, pinned: bool) -> tuple:
     """(whether the pipeline planner runs, its stages: a count, "auto" or None
     (the mesh's pp axis says), why)."""
     if stages is not None:
@@ -110,8 +106,7 @@ def _pipelining(stages, microbatches, schedule, mesh, cluster, *, trains: bool, 
                              "planned without a pipeline")
     spans = f"{where} span {nodes} nodes of {cluster.name}"
     for reason, cannot in (("an inference step (no loss_fn)", not trains),
-                           ("parameter_placements pinned", pinned),
-                           (f"recompute={recompute!r}", recompute not in ("auto", "none", "full"))):
+                           ("parameter_placements pinned", pinned)):
         if cannot:
             return False, None, f"{spans}, but {reason} is planned without a pipeline"
     return True, "auto", f"{spans}: pipelines searched (pipeline_stages=1 forbids them)"

@@ -194,7 +194,11 @@ def stage_plan(sg: StageGraph, plan: Plan, submesh: Mesh) -> Plan:
     out = Plan(submesh, plan.cluster, [], model, {}, inputs, nodes, [],
                {"step_time_s": 0.0, "peak_memory_bytes": 0.0}, {})
     recomputed = [name for name in plan.recompute.get("layers", []) if name in sg.layers]
-    out.recompute = {"mode": "full" if recomputed else "none", "layers": recomputed}
+    regions = [r for r in plan.recompute.get("regions", []) if all(n in sg.graph.nodes for n in r)]
+    if plan.recompute.get("mode") == "selective" and regions:  # this stage's regions (each inside one layer)
+        out.recompute = {"mode": "selective", "layers": recomputed, "regions": regions}
+    else:
+        out.recompute = {"mode": "full" if recomputed else "none", "layers": recomputed}
     return out
 
 
@@ -589,7 +593,7 @@ class _ParamTree(nn.Module):
 # --- the equivalence check (torchrun worker) ---------------------------------------------------
 
 def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, schedule: str | None,
-          recompute: bool | None = None, steps: int = 2, lr: float = 1e-3) -> dict:
+          recompute: str | None = None, steps: int = 2, lr: float = 1e-3) -> dict:
     """Train the pipelined plan and the single-device model side by side; relative
     errors of the loss (per step), every gradient (first step) and the
     parameters after the last AdamW step (norm-wise over the whole model)."""
@@ -671,7 +675,7 @@ def main(argv=None) -> None:
     ap.add_argument("--schedule", help="schedule(s) to check, comma-separated: " +
                     ", ".join(s.value for s in Schedule) + " (default: the planner's choice)")
     ap.add_argument("--recompute", default="none",
-                    help="activation recomputation to check, comma-separated: none, full (default none)")
+                    help="activation recomputation to check, comma-separated: none, selective, full (default none)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--json", help="write the reports here (rank 0)")
@@ -680,10 +684,10 @@ def main(argv=None) -> None:
     for source in args.check:
         for schedule in (args.schedule.split(",") if args.schedule else [None]):
             for recompute in args.recompute.split(","):
-                if recompute not in ("none", "full"):
-                    raise SystemExit(f"--recompute {recompute!r}: expected none or full")
+                if recompute not in ("none", "selective", "full"):
+                    raise SystemExit(f"--recompute {recompute!r}: expected none, selective or full")
                 r = check(source, args.mesh, args.cluster, microbatches=args.microbatches, schedule=schedule,
-                          recompute=recompute == "full", steps=args.steps)
+                          recompute=recompute, steps=args.steps)
                 reports.append({**r, "source": source, "mesh": args.mesh})
     ok = all(max(r["loss_rel"], r["grad"], r["param"], r["eval_loss_rel"], r["reload"]) <= args.tol
              for r in reports)

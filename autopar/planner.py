@@ -15,6 +15,7 @@ import math
 import sys
 import time
 import warnings
+from dataclasses import dataclass, replace
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -35,7 +36,7 @@ from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.timeline import SyncWindow, Timeline, first_consumers
-from autopar.solver import in_parallel, solve
+from autopar.solver import in_parallel, memory_bound, solve
 
 log = logging.getLogger("autopar")
 
@@ -67,46 +68,24 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
             if not deterministic:
                 hit.solver["cache"] = "hit"
             return hit
-    with phases("strategies"):
-        strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
-        if not (offload and cluster.host is not None):  # no offload twins in the ILP at all
-            strategies = {name: [s for s in ss if not s.offload] for name, ss in strategies.items()}
-        notes = _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
-    with phases("cluster"):
-        if opt_level not in (1, 2):
-            raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
-        if cluster_layers is None:
-            cluster_layers = opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
-        layers = repeated_layers(graph) if cluster_layers else []
-        classes = _Classes(graph, layers)
-        pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
-    with phases("solve"):
-        ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload)
-        budget = memory if memory is not None else cluster.device.memory
-        try:
-            solution, rc = _solve_with_recompute(
-                graph, strategies, ctx, recompute, budget=budget, classes=classes, partial=opt_level == 2,
-                deadline=deadline, relative_gap=relative_gap, backend=solver, pinned=pinned, notes=notes)
-        except InfeasibleError as e:
-            if e.status != "TIME LIMIT":
-                raise
-            out_of_time, rc = e, NONE
-            solution = _replicated(graph, strategies, pinned, time.perf_counter() - phases.start)
-        else:
-            out_of_time = None
+    problem = prepare(graph, mesh, cluster, memory=memory, optimizer=optimizer, precision=precision,
+                      opt_level=opt_level, parameter_placements=parameter_placements, cluster_layers=cluster_layers,
+                      offload=offload, phases=phases)
+    solved = problem.solve(recompute=recompute, deadline=deadline, relative_gap=relative_gap, solver=solver,
+                           phases=phases)
+    solution, rc, budget = solved.solution, solved.rc, problem.budget
     with phases("plan"):
-        chosen = {name: strategies[name][i] for name, i in solution.choice.items()}
-        plan = build_plan(graph, chosen, strategies, ctx, mesh, solution, source, rc)
-        if out_of_time is not None:
+        plan = build_plan(graph, solved.chosen, problem.strategies, problem.ctx, mesh, solution, source, rc)
+        if solved.out_of_time is not None:
             if plan.predicted["peak_memory_bytes"] > budget:
-                raise out_of_time
+                raise solved.out_of_time
             plan.solver["objective"] = plan.predicted["step_time_s"]
-    plan.fallbacks = [f.to_json() for f in fallbacks]
-    plan.warnings = notes + [f.describe() for f in fallbacks]
+    plan.fallbacks = [f.to_json() for f in problem.fallbacks]
+    plan.warnings = problem.notes + [f.describe() for f in problem.fallbacks]
     plan.recompute = {"mode": rc.mode, "layers": rc.paths,
                       **({"regions": [list(r) for r in rc.regions]} if rc.mode == "selective" else {}),
                       "candidates": solution.extra.pop("recompute_candidates")}
-    plan.solver.update(opt_level=opt_level, clustered=bool(cluster_layers), relative_gap=relative_gap,
+    plan.solver.update(opt_level=opt_level, clustered=problem.clustered, relative_gap=relative_gap,
                        memory_budget_bytes=budget, time_limit_s=time_limit_s,
                        stopped_early=solution.status != "OPTIMAL")
     if solution.status != "OPTIMAL":
@@ -123,6 +102,103 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
     return plan
 
 
+@dataclass
+class Problem:
+    """A captured graph on a (sub)mesh, ready to solve (``prepare``)."""
+
+    graph: Graph
+    mesh: object
+    strategies: dict
+    fallbacks: list
+    notes: list
+    """Warnings for the plan (divisibility, the cluster's caveat, recompute options left out)."""
+    classes: "_Classes"
+    pinned: dict
+    ctx: CostContext
+    budget: float | None
+    clustered: bool
+    stage: bool
+    opt_level: int
+
+    def solve(self, *, recompute: str = "auto", deadline: float, relative_gap: float = 1e-4, solver: str = "HIGHS",
+              phases=None) -> "Solved":
+        """An ILP per recomputation option, the fastest plan that fits, by
+        ``deadline`` (time.perf_counter()). Where the solver has no plan by
+        then, the replicated plan (``Solved.out_of_time`` says so)."""
+        phases = phases if phases is not None else _Phases()
+        with phases("solve"):
+            try:
+                solution, rc = _solve_with_recompute(
+                    self.graph, self.strategies, self.ctx, "none" if self.stage else recompute, budget=self.budget,
+                    classes=self.classes, partial=self.opt_level == 2, deadline=deadline, relative_gap=relative_gap,
+                    backend=solver, pinned=self.pinned, notes=self.notes, optimizer_step=not self.stage)
+            except InfeasibleError as e:
+                if e.status != "TIME LIMIT" or self.stage:
+                    raise
+                return Solved(self, _replicated(self.graph, self.strategies, self.pinned,
+                                                time.perf_counter() - phases.start), NONE, e)
+        return Solved(self, solution, rc)
+
+
+@dataclass
+class Solved:
+    """A problem and its solution: what ``build_plan`` and the pipeline's
+    stage pricing read."""
+
+    problem: Problem
+    solution: object
+    rc: Recomputation = NONE
+    out_of_time: InfeasibleError | None = None
+    """Set where the solver had no plan by the deadline: ``solution`` is then the replicated plan."""
+
+    @property
+    def chosen(self) -> dict:
+        strategies = self.problem.strategies
+        return {name: strategies[name][i] for name, i in self.solution.choice.items()}
+
+
+def prepare(graph: Graph, mesh, cluster, *, memory: float | None = None, optimizer: str = "adamw",
+            precision: str = "fp32", opt_level: int = 1, parameter_placements: dict | None = None,
+            cluster_layers: bool | None = None, offload: bool = True, stage: bool = False, phases=None) -> Problem:
+    """The flat planner's steps before the solve, on a captured graph and a
+    (sub)mesh: enumerate strategies, share ILP variables between repeated
+    layers, pin parameters, make the cost context.
+
+    ``stage``: ``graph`` is a pipeline stage's microbatch graph
+    (autopar/pipeline/): no memory row (the stage search checks memory per
+    stage), no ZeRO-3 or offload choices (stages keep gathered parameters
+    until backward and optimizer state on the device), gradient syncs not
+    hidden under backward and no optimizer step in the objective (the stage
+    search prices both once per step), no recomputation (the stage search
+    chooses it), and every class of repeated layers sharing variables (no
+    position-dependent cost is left to peel for)."""
+    phases = phases if phases is not None else _Phases()
+    mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
+    with phases("strategies"):
+        strategies, fallbacks = enumerate_strategies(graph, mesh.shape)
+        if stage:
+            strategies = {name: [s for s in ss if not (s.regather or s.offload)] for name, ss in strategies.items()}
+        elif not (offload and cluster.host is not None):  # no offload twins in the ILP at all
+            strategies = {name: [s for s in ss if not s.offload] for name, ss in strategies.items()}
+        notes = [] if stage else _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
+    if stage:
+        cluster = replace(cluster, overlap_grad_sync=False)
+    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage)
+    budget = None if stage else memory if memory is not None else cluster.device.memory
+    with phases("cluster"):
+        if opt_level not in (1, 2):
+            raise AutoparError(f"opt_level {opt_level!r} is not 1 (fast: clustered layers) or 2 (wider search)")
+        if cluster_layers is None:
+            cluster_layers = stage or opt_level == 1 or len(graph.nodes) > O2_MAX_UNCLUSTERED_NODES
+        layers = repeated_layers(graph) if cluster_layers else []
+        if not stage and (budget is None or memory_bound(graph, strategies, ctx) <= budget):
+            layers = [c for c in layers if len(c) > SOLVED_ALONE]  # memory cannot bind: see SOLVED_ALONE
+        classes = _Classes(graph, layers)
+        pinned = _pins(graph, strategies, parameter_placements or {}, classes(classes.first))
+    return Problem(graph, mesh, strategies, fallbacks, notes, classes, pinned, ctx, budget, bool(cluster_layers),
+                   stage, opt_level)
+
+
 PEEL_TIME_FACTOR, PEEL_MIN_S = 10.0, 5.0
 """A solve with layer instances peeled off the classes' ends gets at most
 this many times the clustered solve's wall time, and at least these seconds
@@ -134,6 +210,16 @@ the GPT models of tests/test_planner.py): 1-10x the clustered solve without a
 binding memory budget (GPT-3 175B on 1024 GPUs: 6.6 s clustered, 20 s
 peeled); under a binding one, HiGHS may need 50x, and the clustered plan
 stands."""
+
+SOLVED_ALONE = 4
+"""Where memory cannot bind (solver.memory_bound under the budget), a class
+of this many repeated layers or fewer is not clustered: every layer is
+solved on its own from the start. Its peel (``deeper_ends``) would solve it
+layer by layer at the first refinement, and the clustered solve before that
+costs more than it saves (the README demo's two blocks: 9.8 s clustered, then
+28.1 s layer by layer, on this machine). Under a budget that may bind, the
+clustered solve comes first as before: the unclustered model with its memory
+rows can take HiGHS 50x longer (tests/test_memory.py's GPT)."""
 
 O2_MAX_UNCLUSTERED_NODES = 3000
 """-O2 solves every node separately up to this graph size (a few seconds of HiGHS
@@ -276,7 +362,11 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
     # once where cores allow.
     results = [solve_one(tried[0][1])]
     if len(tried) > 1 and not settles(tried[0][1], results[0]):
-        results += in_parallel(solve_one, [rc for _, rc in tried[1:]])
+        if time.perf_counter() < deadline:
+            results += in_parallel(solve_one, [rc for _, rc in tried[1:]])
+        else:  # the time limit is spent: the other options are not tried
+            results += [InfeasibleError(f"recompute {n!r} not solved: the compile's time limit was spent",
+                                        status="TIME LIMIT") for n, _ in tried[1:]]
     best, errors, candidates = None, [], []
     for k, ((name, rc), sol) in enumerate(zip(tried, results)):
         label = _label(name, rc)
@@ -387,48 +477,73 @@ def _divisibility_warnings(graph: Graph, strategies: dict, mesh) -> list[str]:
     return notes
 
 
-def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
-               source: str | None, rc: Recomputation = NONE) -> Plan:
+@dataclass
+class EdgeCost:
+    """What one edge of a chosen plan costs: the edge into input ``index`` of
+    its consumer from ``src``."""
+
+    src: str
+    index: int
+    fwd: list
+    """Forward moves paid here (none where another consumer's reshard of the same producer serves it)."""
+    bwd: list
+    """Backward moves paid here: the gradient back to the producer's placement."""
+    again: list
+    """Forward moves run again in backward (a recomputed consumer, a regathered parameter)."""
+    held: float
+    """Bytes of a resharded copy this edge adds to what is kept for backward."""
+    gather_transient: float
+    """For a parameter gathered here: its full gradient alive until reduced (graph_costs.gather_transient)."""
+    gathers: bool
+    """Whether the forward moves all-gather (a parameter held sharded, used whole: ZeRO)."""
+
+
+@dataclass
+class NodeCost:
+    """What one node of a chosen plan costs, with its input edges: the one
+    accounting that the plan's totals (``build_plan``) and the pipeline's
+    per-layer costs (autopar/pipeline/pricing.py) sum, as the ILP prices it."""
+
+    name: str
+    strategy: object
+    fwd_s: float
+    bwd_s: float
+    """Backward compute, with the forward again where the node is recomputed."""
+    parts: dict
+    """Memory (graph_costs.memory_breakdown) other than activations: parameters, gradients, optimizer, inputs."""
+    activations: float
+    """Bytes kept for backward, made again in backward instead where recomputed (``dropped``)."""
+    dropped: bool
+    working: float
+    """Bytes alive for a moment during its backward: its gradients and its inputs' gradients resharded."""
+    edges: list
+    own_fwd: list
+    """Collectives inside the op (graph_costs.op_moves: batch norm's statistics over a split batch, the
+    balanced causal attention's exchanges), forward..."""
+    own_bwd: list
+    """... backward ..."""
+    own_again: list
+    """... and forward again in backward where recomputed."""
+
+
+def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation = NONE) -> list:
+    """Every node's NodeCost under the chosen strategies, in program order."""
     grad = needs_grad(graph)
     kept_share, read = rc.kept(graph)
-    recomputed = rc.nodes
-    timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
-    window = SyncWindow(graph)
-    nodes, collectives = [], []
-    gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
-    reshards = SharedReshards(len(mesh.shape))
-    compute = ctx.cluster.device.step_overhead  # the runtime's fixed cost per step, then every node's
-    comm = sync_s = 0.0
-    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
-              "buffers": 0.0}
-    ms = mesh.shape
+    reshards = SharedReshards(len(ctx.mesh_shape))
+    out = []
     for node in graph.nodes.values():
         s = chosen[node.name]
         f, b = node_compute(node, s, ctx, node.name in grad)
-        if node.name in recomputed:
+        recomputed = node.name in rc.nodes
+        if recomputed:
             b += f  # the forward runs again in backward
-        compute += f + b
-        own_fwd, own_bwd = op_moves(node, s, ctx, node.name in grad)
-        for phase, moves in (("forward", own_fwd), ("backward", own_bwd),
-                             ("recompute", own_fwd if node.name in recomputed else [])):
-            for m in moves:  # collectives inside the op (graph_costs.op_moves)
-                comm += m.seconds
-                collectives.append({"kind": m.kind.value, "phase": phase,
-                                    "mesh_axes": [mesh.names[a] for a in m.axes or (m.axis,)],
-                                    "bytes": m.nbytes, "seconds": m.seconds, "node": node.name,
-                                    "producer": node.name, "tensor": node.name, "gradient_sync": False})
-        window.compute(node.name, None, b)
+        own_fwd, own_bwd = op_moves(node, s, ctx, node.name in grad)  # collectives inside the op
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
-        acts = parts.pop("activations", 0.0)  # memory["activations"]: from the timeline, below
-        timeline.activation(node.name, None, acts)
+        acts = parts.pop("activations", 0.0)
         working = backward_working_set(graph, node, s, ctx, grad) if node.kind is NodeKind.OP and node.name in grad \
             else 0.0
-        mem = sum(parts.values()) + (0.0 if rc.drops(node.name) else acts)
-        for k, v in parts.items():
-            memory[k] += v
-        nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
-                              [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), f + b, mem,
-                              len(strategies[node.name]), [fmt_spec(x) for x in s.items or ()]))
+        edges = []
         for idx, src in enumerate(node.inputs):
             (src_spec, meta), regather = produced(graph, src, node, chosen[src]), chosen[src].regather
             backward = node.name in grad and src in grad
@@ -440,16 +555,58 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             held = reshards.keeps(node, idx, src, src_spec, s, backward, held)
             if not reshards.pays(node, idx, src, s, backward):
                 fwd, bwd = [], []  # the first consumer's reshard serves this one
-            timeline.copy(first_use[src], None, held)  # made at the producer's first use, as the ILP counts it
-            if not rc.drops(node.name):
-                nodes[-1].memory_bytes += held
+            param = graph.nodes[src].kind is NodeKind.PARAM
+            again = replayed if replays(regather, recomputed, node.name in grad) else []
+            edges.append(EdgeCost(src, idx, fwd, bwd, again, held,
+                                  gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward) if param else 0.0,
+                                  param and gathers(fwd)))
+        out.append(NodeCost(node.name, s, f, b, parts, acts, rc.drops(node.name), working, edges, own_fwd, own_bwd,
+                            own_fwd if recomputed else []))
+    return out
+
+
+def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, mesh, solution,
+               source: str | None, rc: Recomputation = NONE) -> Plan:
+    """The Plan of the chosen strategies: nodes, collectives, parameters, and
+    the predicted totals, summed from ``node_costs``."""
+    grad = needs_grad(graph)
+    timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
+    window = SyncWindow(graph)
+    nodes, collectives = [], []
+    gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
+    compute = ctx.cluster.device.step_overhead  # the runtime's fixed cost per step, then every node's
+    comm = sync_s = 0.0
+    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0,
+              "buffers": 0.0}
+    ms = mesh.shape
+    for cost in node_costs(graph, chosen, ctx, rc):
+        node, s = graph.nodes[cost.name], cost.strategy
+        compute += cost.fwd_s + cost.bwd_s
+        for phase, moves in (("forward", cost.own_fwd), ("backward", cost.own_bwd), ("recompute", cost.own_again)):
+            for m in moves:  # collectives inside the op
+                comm += m.seconds
+                collectives.append({"kind": m.kind.value, "phase": phase,
+                                    "mesh_axes": [mesh.names[a] for a in m.axes or (m.axis,)],
+                                    "bytes": m.nbytes, "seconds": m.seconds, "node": node.name,
+                                    "producer": node.name, "tensor": node.name, "gradient_sync": False})
+        window.compute(node.name, None, cost.bwd_s)
+        timeline.activation(node.name, None, cost.activations)
+        mem = sum(cost.parts.values()) + (0.0 if cost.dropped else cost.activations)
+        for k, v in cost.parts.items():
+            memory[k] += v
+        nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
+                              [fmt_spec(x) for x in s.inputs], fmt_spec(s.output), cost.fwd_s + cost.bwd_s, mem,
+                              len(strategies[node.name]), [fmt_spec(x) for x in s.items or ()]))
+        for edge in cost.edges:
+            src = edge.src
+            timeline.copy(first_use[src], None, edge.held)  # made at the producer's first use, as the ILP counts it
+            if not cost.dropped:
+                nodes[-1].memory_bytes += edge.held
             if graph.nodes[src].kind is NodeKind.PARAM:
-                param_ws[src] = max(param_ws.get(src, 0.0),
-                                    gather_transient(fwd, s.inputs[idx], meta, ctx, regather, backward))
-                if gathers(fwd):
+                param_ws[src] = max(param_ws.get(src, 0.0), edge.gather_transient)
+                if edge.gathers:
                     gathered.add(src)
-            again = replayed if replays(regather, node.name in recomputed, node.name in grad) else []
-            for phase, moves in (("forward", fwd), ("backward", bwd), ("recompute", again)):
+            for phase, moves in (("forward", edge.fwd), ("backward", edge.bwd), ("recompute", edge.again)):
                 for m in moves:
                     comm += m.seconds
                     if phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM:
@@ -461,8 +618,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                         "tensor": graph.nodes[src].fqn if graph.nodes[src].kind is NodeKind.PARAM else src,
                         "gradient_sync": phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM,
                     })
-        if working:
-            timeline.working_set(node.name, {None: working})
+        if cost.working:
+            timeline.working_set(node.name, {None: cost.working})
     for src, nbytes in param_ws.items():
         timeline.working_set(first_use[src], {None: nbytes})
     memory["activations"], memory["buffers"] = timeline.peak()
@@ -568,4 +725,4 @@ def _model_flops(graph: Graph, grad: set) -> float:
     return total
 
 
-__all__ = ["plan_flat", "build_plan", "zero_stage", "placeholders"]
+__all__ = ["plan_flat", "prepare", "Problem", "Solved", "node_costs", "build_plan", "zero_stage", "placeholders"]

@@ -161,17 +161,3 @@ class SyncWindow:
             if running > worst:
                 worst, where = running, (link, index)
         return worst, where
-
-    def bound(self, where: tuple) -> dict:
-        """key -> coefficient of the lower bound of the exposed time at
-        ``where`` (a point ``most_exposed`` named): the syncs on its link up
-        to there minus the backward compute before it."""
-        out: dict = {}
-        link, index = where
-        points = [(syncs, compute) for at, syncs, compute in self.points() if at == link]
-        for syncs, compute in points[: index + 1]:
-            for key, t in syncs.items():
-                add(out, key, t)
-            for key, t in compute.items():
-                add(out, key, -t)
-        return out

@@ -4,6 +4,9 @@
     python benchmarks/compile_scale.py --one 175B # a single row
     python benchmarks/compile_scale.py --pipelined 175B [--layers 80] [--devices 2048] [--cache DIR]
     python benchmarks/compile_scale.py --examples  # examples/ on 2x2: wall, solver status, ILP size
+    python benchmarks/compile_scale.py --hf        # Hugging Face tiny configs on 2x2, the same columns
+    python benchmarks/compile_scale.py --gpt3      # GPT-3 175B on 1024 GPUs, the default command (fp16),
+                                                   # against the best hand grid `autopar estimate` prices
 
 GPT configurations from the GPT-3 paper (Brown et al. 2020, Table 2.1) and the
 1T row of Narayanan et al. 2021 (Table 1), built on the meta device; meshes put
@@ -137,38 +140,95 @@ def clustered_vs_unclustered(layers, hidden, heads, seq, vocab, batch, mesh) -> 
     return {"clustered": out[True], "unclustered": out[False], "gap": out[True][0] / out[False][0] - 1}
 
 
-EXAMPLES = ["mlp.py:small", "cnn.py:small", "gpt.py:small", "gpt.py:demo", "tied.py:small", "bert.py:small",
-            "vit.py:small", "llama.py:small", "resnet.py:small", "moe.py:small"]
+EXAMPLES = ["examples/" + s for s in ("mlp.py:small", "cnn.py:small", "gpt.py:small", "gpt.py:demo", "tied.py:small",
+                                      "bert.py:small", "vit.py:small", "llama.py:small", "resnet.py:small",
+                                      "moe.py:small")]
 """examples/ factories at the README's mesh, 2x2 of dgx-a100 (issue 28: each in 5 s, OPTIMAL)."""
+
+HF = ["tests/fixtures/hf.py:llama", "tests/fixtures/hf.py:qwen2", "tests/fixtures/hf.py:gptj",
+      "benchmarks/model_zoo.py:hf_whisper", "tests/fixtures/hf.py:mamba", "tests/fixtures/hf.py:deepseek_v3"]
+"""Hugging Face transformers' tiny configs (issue 28: each in 15 s on 2x2)."""
 
 
 def example(spec: str, mesh: str = "2x2", time_limit_s: float = 60.0) -> dict:
-    """One example's whole compile: wall time, the solver's status and the ILP's size."""
+    """One model's whole compile: wall time, the solver's status and the ILP's size."""
     import warnings
 
     import autopar
     from autopar.runtime import load_factory
 
-    model, inputs, loss = load_factory(os.path.join(HERE, "..", "examples", spec))
+    model, inputs, loss = load_factory(os.path.join(HERE, "..", spec))
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.compile(model, inputs, mesh=mesh, cluster="dgx-a100", loss_fn=loss, time_limit_s=time_limit_s)
     s = plan.solver
-    return {"model": spec, "mesh": mesh, "wall_s": time.perf_counter() - t0, "status": s["status"],
+    return {"model": spec.split("/")[-1], "mesh": mesh, "wall_s": time.perf_counter() - t0, "status": s["status"],
             "variables": s["variables"], "constraints": s["constraints"], "solve_s": s["timings"]["solve_s"],
-            "objective_ms": s["objective"] * 1e3, "nodes": len(plan.nodes), "load": os.getloadavg()[0]}
+            "objective_ms": s["objective"] * 1e3, "nodes": len(plan.nodes), "as_lp": s.get("solved_as_lp"),
+            "load": os.getloadavg()[0]}
 
 
-def examples() -> None:
-    print(f"{'example':>16} {'mesh':>5} {'wall s':>7} {'solve s':>8} {'status':>9} {'vars':>7} {'constr.':>8} "
-          f"{'objective ms':>13} {'load':>5}")
-    for spec in EXAMPLES:
+def examples(specs: list = EXAMPLES) -> None:
+    """Each model in its own process; load: the 1-minute load average when it ended."""
+    print(f"{'model':>20} {'mesh':>5} {'wall s':>7} {'solve s':>8} {'status':>9} {'vars':>7} {'constr.':>8} "
+          f"{'objective ms':>13} {'LP':>3} {'load':>5}")
+    for spec in specs:
         r = _row("--example", spec)
         if r is not None:
-            print(f"{r['model']:>16} {r['mesh']:>5} {r['wall_s']:>7.1f} {r['solve_s']:>8.1f} {r['status']:>9} "
-                  f"{r['variables']:>7} {r['constraints']:>8} {r['objective_ms']:>13.4f} {r['load']:>5.1f}",
-                  flush=True)
+            print(f"{r['model']:>20} {r['mesh']:>5} {r['wall_s']:>7.1f} {r['solve_s']:>8.1f} {r['status']:>9} "
+                  f"{r['variables']:>7} {r['constraints']:>8} {r['objective_ms']:>13.4f} {r['as_lp'] or 0:>3} "
+                  f"{r['load']:>5.1f}", flush=True)
+
+
+def gpt3() -> dict:
+    """GPT-3 175B (Brown et al. 2020) on 1024 A100s, the default command
+    (no pipeline flag: the search runs since the mesh spans 128 nodes), fp16
+    pricing; and the fastest hand grid `autopar estimate` prices that fits in
+    80 GB: TP x PP x DP x microbatch x recomputation x virtual stages x
+    sequence parallelism x ZeRO-1."""
+    import torch
+
+    import autopar
+    from autopar.cost_models.cluster import get_cluster
+    from autopar.cost_models.transformer import estimate
+    from autopar.cost_models.transformer_plan import TrainingPlan, TransformerConfig
+    from autopar.errors import AutoparError
+    from gpt import GPT, GPTConfig, lm_loss
+
+    hidden, layers, heads, batch, world, _ = MODELS["175B"]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=VOCAB, seq=SEQ, hidden=hidden, heads=heads, layers=layers))
+        idx = torch.randint(0, VOCAB, (batch, SEQ))
+    plan = autopar.compile(model, (idx, idx), mesh=world, cluster="dgx-a100", loss_fn=lm_loss, precision="fp16")
+    wall = time.perf_counter() - t0
+    chosen = plan.solver["pipeline_search"]["pipelined"] or {}
+    cfg = TransformerConfig(layers=layers, hidden=hidden, heads=heads, seq=SEQ, vocab=VOCAB)
+    cluster, best = get_cluster("dgx-a100"), None
+    for tp in (1, 2, 4, 8):
+        for pp in (p for p in (1, 2, 4, 8, 12, 16, 24, 32, 48, 96) if layers % p == 0 and world % (tp * p) == 0):
+            dp = world // (tp * pp)
+            for mb in (b for b in (1, 2, 4, 8) if batch % (dp * b) == 0):
+                for v in (1, 2, 3, 4, 6, 8, 12):
+                    if v > 1 and (pp == 1 or layers % (pp * v)):
+                        continue
+                    for rc in ("none", "selective", "full"):
+                        for sp in (False, True):
+                            for zero in (0, 1):
+                                try:
+                                    est = estimate(cfg, TrainingPlan(
+                                        batch=batch, microbatch=mb, tp=tp, pp=pp, dp=dp, virtual_stages=v,
+                                        recompute=rc, sequence_parallel=sp, zero=zero, precision="fp16"),
+                                        cluster, world // 8)
+                                except AutoparError:
+                                    continue
+                                if est.fits_in_memory and (best is None or est.step_time_s < best[0]):
+                                    best = (est.step_time_s, f"tp={tp} pp={pp} dp={dp} mb={mb} v={v} {rc}"
+                                            f"{' sp' if sp else ''}{' zero-1' if zero else ''}")
+    return {"wall_s": wall, "mesh": str(plan.mesh), "step_s": plan.predicted["step_time_s"],
+            "schedule": f"{chosen.get('schedule')} x{chosen.get('virtual_stages')}",
+            "recompute": chosen.get("recompute"), "hand_s": best[0], "hand": best[1], "load": os.getloadavg()[0]}
 
 
 def _row(flag: str, name: str, *extra: str) -> dict | None:
@@ -190,13 +250,24 @@ def main():
     ap.add_argument("--gaps", action="store_true", help="only the clustered-vs-unclustered table")
     ap.add_argument("--flat", action="store_true", help="only the flat (no pipeline) table")
     ap.add_argument("--examples", action="store_true", help="only the examples/ table (2x2, dgx-a100)")
-    ap.add_argument("--example", help="one example, FILE.py:FACTORY in examples/")
+    ap.add_argument("--example", help="one model, FILE.py:FACTORY from the repository's root")
+    ap.add_argument("--hf", action="store_true", help="only the Hugging Face table (2x2, dgx-a100)")
+    ap.add_argument("--gpt3", action="store_true", help="only GPT-3 175B's default command against the hand grids")
     args = ap.parse_args()
     if args.example:
         print(json.dumps(example(args.example)))
         return
     if args.examples:
         examples()
+        return
+    if args.hf:
+        examples(HF)
+        return
+    if args.gpt3:
+        r = gpt3()
+        print(f"GPT-3 175B, 1024 GPUs, default command, fp16: {r['wall_s']:.1f} s, {r['mesh']} {r['schedule']} "
+              f"recompute {r['recompute']}: {r['step_s']:.3f} s; best hand grid ({r['hand']}): {r['hand_s']:.3f} s; "
+              f"load {r['load']:.1f}")
         return
     if args.gaps:
         gaps()

@@ -126,7 +126,7 @@ def test_unequal_layers_get_balanced_stages():
         idx = torch.zeros(16, 256, dtype=torch.long)
     prof = profile(model, (idx, idx), lm_loss, Mesh((1,), ("tp",)), "dgx-a100", microbatch=2)
     assert prof.names[-1] == "head" and prof.layers[-1].time_s > 1.3 * prof.layers[2].time_s
-    kw = dict(p=4, m=8, schedule=Schedule.ONE_F_ONE_B, v=1, recompute=False, budget=math.inf)
+    kw = dict(p=4, m=8, schedule=Schedule.ONE_F_ONE_B, v=1, recompute="none", budget=math.inf)
     best = evaluate(prof, **kw)
     blocks = [sum(1 for k in range(i, j) if prof.names[k].startswith("blocks.")) for i, j in best.ranges]
     assert blocks[-1] < blocks[1], f"the head's stage keeps as many blocks ({blocks}) as a middle one"
@@ -224,7 +224,7 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     search for a 16-layer GPT of the same layers on 32 GPUs: nothing is solved
     again and the search decides what it decides without the cache (where
     the stage ILPs are solved one by one, not in parallel)."""
-    import autopar.pipeline.pricing as pricing
+    import autopar.planner
     import autopar.solver
     from gpt import lm_loss
     cache = str(tmp_path / "plans")
@@ -237,10 +237,14 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     fresh = search_pipeline(shallow, inputs, world=32, **kw)
     assert fresh.layer_cache is None
 
-    def no_solve(self, options):
-        raise AssertionError("a cached layer class was solved again")
+    solve = autopar.planner.Problem.solve
 
-    monkeypatch.setattr(pricing._StageILP, "solve", no_solve)
+    def no_solve(self, **options):
+        if self.stage:
+            raise AssertionError("a cached layer class was solved again")
+        return solve(self, **options)
+
+    monkeypatch.setattr(autopar.planner.Problem, "solve", no_solve)
     again = search_pipeline(shallow, inputs, world=32, cache=cache, **kw)
     assert again.layer_cache == {"hits": 8, "misses": 0}
     same = lambda found: {k: v for k, v in found.summary().items() if k not in ("wall_s", "layer_cache")}  # noqa: E731
@@ -332,9 +336,17 @@ def test_two_stages_on_two_ranks(tmp_path):
 
 @pytest.mark.launch
 def test_two_stages_times_two_way_tensor_parallel_on_four_ranks(tmp_path):
-    """Also with every block recomputed in backward (checkpointed inside its stage)."""
-    r, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:small"], "1f1b", "none,full")
+    """Also with every block recomputed in backward (checkpointed inside its
+    stage), and with each block's selective regions recomputed (the attention
+    core: passes/recompute.py; the explicit attention's scores and softmax),
+    as the search may choose."""
+    r, selective, recomputed = _check(tmp_path, 4, "pp=2,tp=2", ["examples/gpt.py:explicit"], "1f1b",
+                                      "none,selective,full")
     assert recomputed["plan"]["recompute"] == {"mode": "full", "layers": ["blocks.0", "blocks.1"]}
+    chosen = selective["plan"]["recompute"]
+    assert chosen["mode"] == "selective" and chosen["layers"] == ["blocks.0", "blocks.1"] and chosen["regions"]
+    # the regions run under checkpoints in the stage programs
+    assert sum(selective["plan"]["programs"].values()) > sum(r["plan"]["programs"].values())
     assert [s["devices"] for s in r["plan"]["stages"]] == [[0, 1], [2, 3]]
     assert any(p[1] != "R" for p in r["plan"]["parameters"].values()), "no tensor parallelism inside the stages"
     # what crosses the cut travels as shards of the submesh, each rank to its peer
@@ -410,3 +422,73 @@ def test_pipelines_are_searched_by_default_where_the_mesh_spans_nodes():
     assert one_node.pipeline is None and "pipeline_search" not in one_node.solver
     assert one_node.solver["pipelining"] == ("the mesh's 8 devices fit in one node of dgx-a100 (8 devices): "
                                              "planned without a pipeline")
+
+
+def test_deterministic_pipelined_compiles_are_byte_identical():
+    """--deterministic leaves the wall-clock times out of a pipelined plan too
+    (the planner's and the pipeline search's): two compiles of the same
+    model write the same plan.json."""
+    from gpt import lm_loss
+    model, inputs = _meta_gpt(48, 8192, 64, 2048, 51200, 1536)  # GPT-3 39B shapes (Narayanan et al. Table 1)
+    kw = dict(mesh=512, cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
+    plans = [autopar.compile(model, inputs, deterministic=True, **kw) for _ in range(2)]
+    assert plans[0].pipeline is not None and plans[0].solver["pipeline_search"]["decision"] == "pipeline"
+    assert plans[0].solver["wall_s"] is None and plans[0].solver["pipeline_search"]["wall_s"] is None
+    assert plans[0].dumps() == plans[1].dumps()
+    timed = autopar.compile(model, inputs, **kw)
+    assert timed.solver["wall_s"] > 0 and timed.solver["pipeline_search"]["wall_s"] > 0
+
+
+def test_selective_recomputation_is_a_pipeline_option():
+    """Stages may recompute each block's selective regions (the explicit
+    attention's scores and softmax, passes/recompute.py), priced on the same
+    plan by the flat planner's accounting: less kept than without
+    recomputation, less time than recomputing whole blocks. Under a budget
+    that the plan without recomputation exceeds, the search takes selective
+    over full recomputation."""
+    from gpt import GPT, GPTConfig, lm_loss
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=1024, seq=512, hidden=256, heads=8, layers=8, attention="explicit"))
+        idx = torch.zeros(16, 512, dtype=torch.long)
+    prof = profile(model, (idx, idx), lm_loss, Mesh((2,), ("tp",)), "dgx-a100", microbatch=2)
+    assert prof.selective is not None and prof.selective_rc.regions
+    block = prof.names.index("blocks.3")
+    none, sel = prof.layers[block], prof.selective[block]
+    assert sel.act_bytes < 0.7 * none.act_bytes and sel.recomputed_bytes > 0
+    assert none.time_s < sel.time_s < none.time_s + none.fwd_s  # cheaper than recomputing the whole block
+    kw = dict(p=2, m=8, schedule=Schedule.ONE_F_ONE_B, v=1)
+    plans = {mode: evaluate(prof, **kw, recompute=mode, budget=math.inf) for mode in ("none", "selective", "full")}
+    assert plans["none"].step_s < plans["selective"].step_s < plans["full"].step_s
+    assert plans["full"].memory_bytes < plans["selective"].memory_bytes < plans["none"].memory_bytes
+    budget = plans["selective"].memory_bytes * 1.02  # no split of the blocks fits it without recomputation
+    assert evaluate(prof, **kw, recompute="none", budget=budget) is None
+    assert evaluate(prof, **kw, recompute="selective", budget=budget).step_s < \
+        evaluate(prof, **kw, recompute="full", budget=budget).step_s
+
+
+def test_stage_pricing_sums_the_flat_planners_accounting():
+    """One accounting: the per-layer costs a pipeline prices a stage with
+    (pricing._price) add up to the totals the flat planner's plan of the same
+    strategies predicts (planner.build_plan): compute, communication (the
+    gradient syncs included), parameters, gradients and optimizer state; on
+    a random plan (every node a random strategy), which communicates."""
+    import random
+
+    from autopar.pipeline.pricing import _price
+    from autopar.planner import Solved, build_plan, prepare
+    from autopar.solver import Solution
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    graph = capture(model, inputs, loss)
+    problem = prepare(graph, "2x2", "dgx-a100", stage=True)
+    rng = random.Random(0)
+    choice = {name: rng.randrange(len(ss)) for name, ss in problem.strategies.items()}
+    solved = Solved(problem, Solution(choice, "RANDOM", 0.0, 0.0, 0, 0, 0.0))
+    plan = build_plan(graph, solved.chosen, problem.strategies, problem.ctx, problem.mesh, solved.solution, None)
+    layers, _ = _price(graph, group_layers(graph), solved.chosen, problem.ctx, None)
+    p, overhead = plan.predicted, problem.ctx.cluster.device.step_overhead
+    assert p["comm_s"] > p["grad_sync_s"] > 0
+    assert sum(lc.fwd_s + lc.bwd_s for lc in layers) == pytest.approx(p["compute_s"] - overhead)
+    assert sum(lc.comm_s + lc.sync_s for lc in layers) == pytest.approx(p["comm_s"])
+    assert sum(lc.sync_s for lc in layers) <= p["grad_sync_s"] * (1 + 1e-9)
+    for part, field in (("parameters", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer", "optimizer_bytes")):
+        assert sum(getattr(lc, field) for lc in layers) == pytest.approx(p["memory"][part])

@@ -185,6 +185,7 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     to share one strategy (the clustering before the ends were peeled) is 6%
     off the unclustered optimum on this model; peeling is within 1%."""
     import autopar.planner
+    monkeypatch.setattr(autopar.planner, "SOLVED_ALONE", 1)  # four layers: clustered, as a longer model would be
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
     compile_ = lambda **kw: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, **kw)  # noqa: E731
     exact = compile_(cluster_layers=False).solver["objective"]
@@ -399,69 +400,54 @@ def test_sync_window_exposes_what_the_backward_left_cannot_hide():
     assert window.exposed() == pytest.approx(2.0 + 0.5 + 3.0 - 2.0)
 
 
-def test_exposed_sync_is_priced_with_the_bounds_the_plan_needs(monkeypatch):
-    """The solver adds the sync window's lower bounds one at a time, each
-    where the last plan's sync is most exposed, until the plan's exposure is
-    priced (lazy constraint generation). The result is the optimum of the
-    model with every bound at once, reached with fewer of them."""
-    import autopar.planner
+def test_exposed_sync_in_the_model_gives_the_every_bound_optimum(monkeypatch):
+    """Where the plan solved with gradient sync free leaves some exposed, the
+    solver puts the exposed sync into the model as running sums (one
+    variable and row per sync point) and solves again: the optimum of the
+    model with every point's bound written out in full."""
     import autopar.solver as solver
-    from autopar.timeline import SyncWindow
-    model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
-    # a generous limit: with every bound at once the solve is slower, and under the suite's load it once ran
-    # out of the default 60 s before any plan
-    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss,  # noqa: E731
-                                       time_limit_s=180)
-    # and so are the peeled solves: by default one gets 10x the first solve's time, which the every-bound model
-    # once overran under CI's load (no plan in 12.5 s)
-    monkeypatch.setattr(autopar.planner, "PEEL_MIN_S", 60.0)
-    used, points = {}, []  # per solve (its window): the bounds added
-    bound = SyncWindow.bound
-    monkeypatch.setattr(SyncWindow, "bound",
-                        lambda self, where: used.setdefault(id(self), []).append(where) or bound(self, where))
+    model, inputs, loss = _meta_gpt(layers=2, hidden=256, seq=64, batch=16)
+    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
+    added = []
+    running = solver._ILP.exposed_sync_rows
+    monkeypatch.setattr(solver._ILP, "exposed_sync_rows", lambda self: added.append(1) or running(self))
     lazy = compile_()
-    monkeypatch.setattr(SyncWindow, "bound", bound)
+    assert added, "the first plan's sync hides: this model does not test the exposed-sync rows"
 
-    def every_bound(self, result, params, left_s, relative_gap):
-        model, window = self.model, self.window
-        self.first_exposed_s = window.exposed(lambda v: v.solution_value()) / solver.US
-        if self.first_exposed_s <= 1e-15:
-            return result
-        where = [(link, i) for link in {at for at, _, _ in window.points()}
-                 for i in range(sum(at == link for at, _, _ in window.points()))]
-        points.append(len(where))
-        exposed = model.NumVar(0.0, model.infinity(), "exposed_sync")
+    def every_bound(self):
+        model, exposed = self.model, self.model.NumVar(0.0, self.model.infinity(), "exposed_sync")
         self.obj.SetCoefficient(exposed, 1.0)
-        for w in where:
-            row = model.Constraint(0.0, model.infinity())
+        bound, current = {}, None
+        for link, syncs, compute in self.window.points():
+            if link != current:
+                bound, current = {}, link
+            for v, c in syncs.items():
+                bound[v] = bound.get(v, 0.0) + c
+            for v, c in compute.items():
+                bound[v] = bound.get(v, 0.0) - c
+            row = model.Constraint(0.0, model.infinity())  # exposed >= syncs - compute up to this point
             row.SetCoefficient(exposed, 1.0)
-            for v, c in window.bound(w).items():
+            for v, c in bound.items():
                 row.SetCoefficient(v, -c)
-        model.SetTimeLimit(int(left_s * 1000))
-        status = model.Solve(params)
-        assert status in solver._OK, f"the every-bound model found no plan in {left_s:.1f} s (status {status})"
-        return self.snapshot(solver._NAMES[status])
 
-    monkeypatch.setattr(solver._ILP, "price_exposed_sync", every_bound)
+    monkeypatch.setattr(solver._ILP, "exposed_sync_rows", every_bound)
     full = compile_()
     assert lazy.solver["status"] == full.solver["status"] == "OPTIMAL"
     assert lazy.solver["objective"] == pytest.approx(full.solver["objective"], rel=2e-4)
     assert lazy.solver["objective"] == pytest.approx(lazy.predicted["step_time_s"])
-    # the clustered solve's plan is exposed at three points in turn
-    assert max(map(len, used.values())) >= 3 and all(len(u) < min(points) for u in used.values()), (used, points)
+    assert lazy.solver["window_exposed_s"] > 0 and lazy.predicted["grad_sync_exposed_s"] < lazy.solver["window_exposed_s"]
 
 
 def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkeypatch):
     """The first solve (sync free) bounds the full model from below: when its
     plan, priced with the sync it leaves exposed, is within the relative gap
-    asked for, the solver adds no bound and solves no more, and the plan's
+    asked for, the solver adds no rows and solves no more, and the plan's
     objective counts the exposure."""
-    from autopar.timeline import SyncWindow
-    model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
-    bounds, bound = [], SyncWindow.bound
-    monkeypatch.setattr(SyncWindow, "bound", lambda self, where: bounds.append(where) or bound(self, where))
+    import autopar.solver as solver
+    model, inputs, loss = _meta_gpt(layers=2, hidden=256, seq=64, batch=16)
+    monkeypatch.setattr(solver._ILP, "exposed_sync_rows", lambda self: pytest.fail("solved again"))
     plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, relative_gap=0.5)
-    assert plan.solver["window_exposed_s"] > 0 and bounds == []
+    assert plan.solver["window_exposed_s"] > 0
     assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"])
     assert plan.solver["gap"] <= 0.5
 

@@ -59,3 +59,27 @@ def test_a_budget_that_can_bind_keeps_the_reshards_into_followers(monkeypatch):
         assert plan.solver["status"] == "OPTIMAL"
         objective[follow] = plan.solver["objective"]
     assert objective[True] == pytest.approx(objective[False], rel=2 * GAP)
+
+
+@pytest.mark.parametrize("spec", MODELS[:3] + MODELS[4:])
+def test_zero3_and_offload_pruned_before_the_edges_keep_the_optimum(spec, monkeypatch):
+    """Where memory cannot bind (``_ILP.memory_bound``, before any edge is
+    built), the ZeRO-3 and offload twins are fixed off before their edges get
+    variables: the same optimum as pruning them after the edges exist."""
+    late = _solve(spec, monkeypatch, prune_early=False)
+    early = _solve(spec, monkeypatch, prune_early=True)
+    assert late.status == early.status == "OPTIMAL"
+    assert early.objective_s == pytest.approx(late.objective_s, rel=2 * GAP)
+    assert early.variables < late.variables
+    assert early.extra["pruned"] == late.extra["pruned"]
+
+
+@pytest.mark.parametrize("spec", MODELS[:3] + MODELS[4:])
+def test_an_integral_lp_optimum_is_the_optimum(spec, monkeypatch):
+    """The LP relaxation solved first (``_ILP.run``) stands where every
+    strategy comes out whole: the same optimum as the MIP solved at once."""
+    mip = _solve(spec, monkeypatch, lp_first=False)
+    lp = _solve(spec, monkeypatch, lp_first=True)
+    assert mip.status == lp.status == "OPTIMAL"
+    assert lp.objective_s == pytest.approx(mip.objective_s, rel=2 * GAP)
+    assert lp.extra["solved_as_lp"] >= 1 and mip.extra["solved_as_lp"] == 0

@@ -19,13 +19,15 @@ The steps, in order:
    that depend on no parameter (``arange``, views of the target) are
    *floating*: each stage that needs them recomputes them, and the user inputs
    reach every stage directly.
-2. **Price** (``pricing.py``, ``profile``). The intra-operator ILP
-   (autopar/solver.py, identical layers sharing variables) is solved once per
-   stage submesh shape and microbatch size on the whole microbatch graph; each
-   layer's cost is the sum over its nodes of compute (forward, backward) and
-   activation resharding, its gradient synchronisation (once per step), its
-   parameter, gradient and optimizer bytes and saved activations
-   (graph_costs.memory_breakdown). A tensor crossing a cut travels in its
+2. **Price** (``pricing.py``, ``profile``). The flat planner
+   (autopar/planner.py: ``prepare`` and ``Problem.solve`` with ``stage=True``,
+   identical layers sharing variables) is solved once per stage submesh shape
+   and microbatch size on the whole microbatch graph; each layer's cost is the
+   sum over its nodes of the flat planner's own accounting of the plan
+   (``planner.node_costs``, which the flat plan's totals sum too): compute
+   (forward, backward) and activation resharding, its gradient
+   synchronisation (once per step), its parameter, gradient and optimizer
+   bytes and saved activations. A tensor crossing a cut travels in its
    producer's placement, each rank sending its shard to its peer
    (``cut_placements``), so the edges around a cut cost what the ILP priced; a
    Partial sum is reduced before it is sent (``Cut``). The ILP does not know

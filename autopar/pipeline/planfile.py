@@ -7,16 +7,14 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
-from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, op_moves, produced, saved_outputs,
-)
+from autopar.cost_models.graph_costs import CostContext, needs_grad
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
 from autopar.ir import NodeKind
 from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, local_shape, parse_spec, shard_factor
 from autopar.plan import NodePlan, Plan
-from autopar.planner import placeholders
+from autopar.planner import node_costs, placeholders
 from autopar.pipeline.pricing import Profile, cut_placements, once_per_step
 from autopar.pipeline.stages import Candidate, bubble_fraction
 
@@ -79,7 +77,7 @@ def _topology(mesh: Mesh, cluster) -> list:
 def _pipeline_section(cand: Candidate, stages: list) -> dict:
     return {"schedule": cand.schedule.value, "microbatches": cand.microbatches,
             "virtual_stages": cand.virtual_stages, "axis": PP_AXIS,
-            "recompute": "full" if cand.recompute else "none", "microbatch_size": cand.microbatch,
+            "recompute": cand.recompute, "microbatch_size": cand.microbatch,
             "optimizer_sharding": "zero-1",  # over a submesh axis each parameter is replicated on (zero1_axis)
             "bubble_fraction": bubble_fraction(cand.schedule, cand.stages, cand.microbatches, cand.virtual_stages),
             "stages": stages}
@@ -92,17 +90,16 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
     pp_index = mesh.names.index(PP_AXIS)
     inner = prof.submesh
     ctx = prof.ctx
-    grad = needs_grad(graph)
-    kept_share = saved_outputs(graph)
     p, m = cand.stages, cand.microbatches
+    costs = node_costs(graph, chosen, ctx)  # the flat planner's accounting, as the stage pricing summed it
     nodes = []
-    for node in graph.nodes.values():
-        s = chosen[node.name]
-        f, b = node_compute(node, s, ctx, node.name in grad)
+    for cost in costs:
+        node, s = graph.nodes[cost.name], cost.strategy
+        memory = sum(cost.parts.values()) + cost.activations + sum(e.held for e in cost.edges)
         nodes.append(NodePlan(node.name, node.op_name, node.fqn, list(node.inputs),
-                              [_full_spec(x, inner, mesh) for x in s.inputs], _full_spec(s.output, inner, mesh), f + b,
-                              node_memory(node, s, ctx, kept_share.get(node.name, 0.0)),
-                              len(prof.strategies[node.name]), [_full_spec(x, inner, mesh) for x in s.items or ()]))
+                              [_full_spec(x, inner, mesh) for x in s.inputs], _full_spec(s.output, inner, mesh),
+                              cost.fwd_s + cost.bwd_s, memory, len(prof.strategies[node.name]),
+                              [_full_spec(x, inner, mesh) for x in s.items or ()]))
     stage_of, stage_entries = {}, []
     for c, (i, j) in enumerate(cand.ranges):
         names = layers.nodes_of(graph, i, j)
@@ -142,7 +139,7 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
                    "variables": sol.variables, "constraints": sol.constraints, "backend": sol.extra.get("backend"),
                    "stage_objective_s": sol.objective_s}
     plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster), model_info, parameters, inputs, nodes,
-                _collectives(cand, ctx, stage_of, mesh, cluster), _predicted(cand, cluster, mesh),
+                _collectives(cand, ctx, costs, stage_of, mesh, cluster), _predicted(cand, cluster, mesh),
                 solver_info, _pipeline_section(cand, stage_entries))
     plan.fallbacks = [f.to_json() for f in prof.fallbacks]
     plan.warnings = [f.describe() for f in prof.fallbacks]
@@ -150,39 +147,45 @@ def build_pipeline_plan(cand: Candidate, mesh: Mesh, cluster, source: str | None
     return plan
 
 
-def _recompute_section(cand: Candidate) -> dict:
-    """plan.recompute: the numbered layers run under activation checkpointing."""
-    layers = [lc.name for lc in cand.profile.layers if cand.recompute and lc.recomputable]
+def _recompute_section(cand: Candidate, regions: bool = True) -> dict:
+    """plan.recompute: the numbered layers run under activation checkpointing,
+    whole (full) or their selective regions (listed where the plan has the
+    graph's nodes, ``regions``)."""
+    prof = cand.profile
+    if cand.recompute == "selective":
+        rc = prof.selective_rc
+        layers = [lc.name for lc, sel in zip(prof.layers, prof.selective) if sel.recomputed_bytes > 0]
+        out = {"mode": "selective", "layers": layers}
+        if regions:
+            out["regions"] = [list(r) for r in rc.regions]
+        return out
+    layers = [lc.name for lc in prof.layers if cand.recompute == "full" and lc.recomputable]
     return {"mode": "full" if layers else "none", "layers": layers}
 
 
-def _collectives(cand: Candidate, ctx: CostContext, stage_of: dict, mesh: Mesh, cluster) -> list:
+def _collectives(cand: Candidate, ctx: CostContext, costs: list, stage_of: dict, mesh: Mesh, cluster) -> list:
     """Logical collectives: each stage's intra-stage resharding (``per_step``
-    times: m per microbatch, once for gradient synchronisation) and one
-    send_recv per crossing tensor per boundary per direction."""
+    times: m per microbatch, once for gradient synchronisation), from the
+    plan's ``node_costs``, and one send_recv per crossing tensor per boundary
+    per direction."""
     prof = cand.profile
     graph, layers, chosen = prof.graph, prof.grouping, prof.chosen
     grad = needs_grad(graph)
     inner = prof.submesh
     out = []
     m = cand.microbatches
-    reshards = SharedReshards(len(inner.shape))
-    for node in graph.nodes.values():
-        s = chosen[node.name]
+    for cost in costs:
+        node = graph.nodes[cost.name]
         stage = stage_of.get(node.name, len(cand.ranges) - 1)
-        for phase, moves in zip(("forward", "backward"), op_moves(node, s, ctx, node.name in grad)):
+        for phase, moves in (("forward", cost.own_fwd), ("backward", cost.own_bwd)):
             for mv in moves:  # collectives inside the op
                 out.append({"kind": mv.kind.value, "phase": phase,
                             "mesh_axes": [inner.names[a] for a in mv.axes or (mv.axis,)],
                             "bytes": mv.nbytes, "seconds": mv.seconds, "node": node.name, "producer": node.name,
                             "tensor": node.name, "gradient_sync": False, "stage": stage, "per_step": m})
-        for idx, src in enumerate(node.inputs):
-            backward = node.name in grad and src in grad
-            if not reshards.pays(node, idx, src, s, backward):
-                continue
-            have, meta = produced(graph, src, node, chosen[src])
-            fwd, bwd = edge_moves(have, s, idx, meta, ctx, backward)
-            for phase, moves in (("forward", fwd), ("backward", bwd)):
+        for edge in cost.edges:
+            src = edge.src
+            for phase, moves in (("forward", edge.fwd), ("backward", edge.bwd)):
                 for mv in moves:
                     sync = phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM
                     once = phase == "backward" and once_per_step(graph.nodes[src], chosen[src].output, mv)
@@ -259,7 +262,7 @@ def plan_from_candidate(cand: Candidate, mesh: Mesh, cluster, source: str | None
     plan = Plan(mesh, cluster.to_json(), _topology(mesh, cluster),
                 {"source": source, "fingerprint": None, "has_loss": True}, params, [], [], collectives,
                 _predicted(cand, cluster, mesh), solver_info, pipeline)
-    plan.recompute = _recompute_section(cand)
+    plan.recompute = _recompute_section(cand, regions=False)
     if prof.repeated:
         plan.warnings.append(f"priced by repetition: the {prof.repeated[1]} layers of {prof.repeated[0]} were "
                              f"priced on a {prof.repeated[2]}-layer copy; the plan has no per-node strategies, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -14,20 +15,17 @@ from autopar import plancache
 from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
-from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
-    gradient_transient, kept_outputs, needs_grad, node_compute, op_moves, produced, saves_input, op_flops,
-)
+from autopar.cost_models.graph_costs import CostContext, _dtype_name, needs_grad, op_flops
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
 from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
-from autopar.passes.layer_classes import layer_classes
-from autopar.passes.enumerate import enumerate_strategies
+from autopar.passes.recompute import NONE, Recomputation, recomputation
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
 from autopar.pipeline.layers import Layers, group_layers
-from autopar.solver import in_parallel, solve
+from autopar.planner import Problem, Solved, node_costs, prepare
+from autopar.solver import in_parallel
 
 log = logging.getLogger("autopar")
 
@@ -60,6 +58,9 @@ class LayerCost:
     """Bytes of the parameter shards this device's optimizer updates in a pipeline."""
     act_bytes: float = 0.0
     """Activations saved for backward, and resharded copies kept for it."""
+    recomputed_bytes: float = 0.0
+    """Activations made again during its backward instead (the regions
+    selective recomputation runs again, ``Profile.selective``)."""
     transient_bytes: float = 0.0
     """The largest gradient working set of one of its ops in backward
     (graph_costs.backward_working_set)."""
@@ -134,6 +135,13 @@ class Profile:
     dtype: str = "fp32"
     """Compute dtype of the peak FLOP/s (for MFU)."""
     ctx: CostContext | None = None
+    selective: list | None = None
+    """The layers' costs under selective recomputation (passes/recompute.py:
+    the pieces of each numbered layer between parameter uses that free the
+    most memory per recomputed second), on the same plan; None where the
+    model's layers cannot take it."""
+    selective_rc: Recomputation | None = None
+    """Its regions (of ``graph``)."""
 
     @property
     def names(self) -> list:
@@ -150,44 +158,33 @@ class Profile:
         def mix(a, b, names):
             return {n: max(0.0, getattr(a, n) + k * (getattr(b, n) - getattr(a, n))) for n in names}
 
-        layers = [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
-                  for a, b in zip(self.layers, other.layers)]
+        def mixed(mine, theirs):
+            return [LayerCost(a.name, **mix(a, b, _NUMERIC_LAYER), recomputable=a.recomputable)
+                    for a, b in zip(mine, theirs)]
+
         cuts = [Cut(**mix(a, b, _NUMERIC_CUT)) for a, b in zip(self.cuts, other.cuts)]
-        return replace(self, layers=layers, cuts=cuts, microbatch=microbatch)
+        selective = mixed(self.selective, other.selective) if self.selective and other.selective else None
+        return replace(self, layers=mixed(self.layers, other.layers), cuts=cuts, microbatch=microbatch,
+                       selective=selective)
 
 
 @dataclass
-class _StageILP:
-    """The intra-operator ILP on one stage submesh at one microbatch size,
-    before it is solved: identical layers share variables
-    (passes/layer_classes.py), and no memory row (the stage search checks memory
-    per stage). Mirrors autopar.compile's steps."""
+class _Stage:
+    """One stage to price: the flat planner's problem (planner.prepare,
+    ``stage=True``) for a captured microbatch graph on a stage submesh."""
 
-    graph: Graph
+    problem: Problem
     layers: Layers
     repeated: tuple | None
-    submesh: Mesh
     microbatch: int
-    strategies: dict
-    fallbacks: list
-    ctx: CostContext
 
-    @classmethod
-    def make(cls, captured: tuple, submesh: Mesh, microbatch: int, cluster, options: dict) -> "_StageILP":
-        graph, layers, repeated = captured
-        strategies, fallbacks = enumerate_strategies(graph, submesh.shape)
-        # stages keep gathered parameters until backward (ZeRO-2 at most) and
-        # their optimizer state on the device: the stage pricing below and the
-        # stage programs do not regather or offload
-        strategies = {name: [s for s in ss if not (s.regather or s.offload)] for name, ss in strategies.items()}
-        # gradient sync is priced by the stage search itself (_price: sync_s), not hidden here
-        ctx = CostContext.make(submesh.shape, replace(cluster, overlap_grad_sync=False), options["optimizer"],
-                               options["precision"])
-        return cls(graph, layers, repeated, submesh, microbatch, strategies, fallbacks, ctx)
+    @property
+    def graph(self) -> Graph:
+        return self.problem.graph
 
-    def solve(self, options: dict):
-        return solve(self.graph, self.strategies, self.ctx, memory_budget=None, time_limit_s=options["time_limit_s"],
-                     backend=options["solver"], classes=layer_classes(self.graph), optimizer_step=False)
+    @property
+    def submesh(self) -> Mesh:
+        return self.problem.mesh
 
 
 def zero1_axis(spec: tuple, mesh_shape: tuple) -> int | None:
@@ -213,22 +210,24 @@ def once_per_step(src: Node, spec: tuple, move) -> bool:
     return src.kind is NodeKind.PARAM and isinstance(spec[move.axis], Replicate)
 
 
-def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link) -> tuple[list, list]:
+def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link,
+           rc: Recomputation = NONE) -> tuple[list, list]:
+    """Per-layer costs: the flat planner's accounting of the chosen plan
+    (planner.node_costs) under recomputation ``rc``, summed by layer, the
+    gradient reductions a pipeline makes once per step apart
+    (``once_per_step``); and the cuts."""
     grad = needs_grad(graph)
-    kept_share, read = kept_outputs(graph)
     ms = ctx.mesh_shape
     costs = [LayerCost(name, recomputable=bool(layers.container) and name.startswith(layers.container + "."))
              for name in layers.names]
-    reshards = SharedReshards(len(ms))
-    for node in graph.nodes.values():
-        s = chosen[node.name]
+    for cost in node_costs(graph, chosen, ctx, rc):
+        node, s = graph.nodes[cost.name], cost.strategy
+        again = cost.name in rc.nodes  # what it keeps is made again in its region's backward
         lc = costs[layers.cost_group.get(node.name, layers.n - 1)]
-        backward = node.name in grad
-        f, b = node_compute(node, s, ctx, backward)
-        lc.fwd_s += f
-        lc.bwd_s += b
-        lc.comm_s += sum(mv.seconds for moves in op_moves(node, s, ctx, backward) for mv in moves)
-        parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
+        lc.fwd_s += cost.fwd_s
+        lc.bwd_s += cost.bwd_s
+        lc.comm_s += sum(mv.seconds for moves in (cost.own_fwd, cost.own_bwd, cost.own_again) for mv in moves)
+        parts = cost.parts
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
         lc.optimizer_bytes += parts.get("optimizer", 0.0)
@@ -237,27 +236,26 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
             k = ms[axis] if axis is not None else 1
             lc.sharded_optimizer_bytes += parts.get("optimizer", 0.0) / k
             lc.updated_bytes += parts.get("parameters", 0.0) / k
-        lc.act_bytes += parts.get("activations", 0.0)
-        working = backward_working_set(graph, node, s, ctx, grad)
+        if cost.dropped:
+            lc.recomputed_bytes += cost.activations
+        else:
+            lc.act_bytes += cost.activations
         if node.kind is NodeKind.OP and node.info is not None:
             rule = get_rule(node.target)
             if rule is not None and rule.matmul:
-                lc.flops += op_flops(node) * (3 if backward else 1)
-        for idx, src in enumerate(node.inputs):
-            have, meta = produced(graph, src, node, chosen[src])
-            held = edge_memory(have, s.inputs[idx], meta, ctx, backward and saves_input(node), src in read)
-            lc.act_bytes += reshards.keeps(node, idx, src, have, s, backward and src in grad, held)
-            fwd, bwd = edge_moves(have, s, idx, meta, ctx, backward and src in grad)
-            working += gradient_transient(bwd, have, s, idx, meta, ctx)
-            if not reshards.pays(node, idx, src, s, backward and src in grad):
-                continue  # the first consumer's reshard serves this one
-            lc.comm_s += sum(mv.seconds for mv in fwd)
-            for mv in bwd:
-                if once_per_step(graph.nodes[src], chosen[src].output, mv):
+                lc.flops += op_flops(node) * (3 if node.name in grad else 1)
+        for edge in cost.edges:
+            if again:
+                lc.recomputed_bytes += edge.held
+            else:
+                lc.act_bytes += edge.held
+            lc.comm_s += sum(mv.seconds for mv in edge.fwd) + sum(mv.seconds for mv in edge.again)
+            for mv in edge.bwd:
+                if once_per_step(graph.nodes[edge.src], chosen[edge.src].output, mv):
                     lc.sync_s += mv.seconds
                 else:
                     lc.comm_s += mv.seconds
-        lc.transient_bytes = max(lc.transient_bytes, working)
+        lc.transient_bytes = max(lc.transient_bytes, cost.working)
     cuts = [Cut() for _ in range(layers.n)]
     for c in range(1, layers.n):
         cut = cuts[c]
@@ -355,7 +353,8 @@ def profile(model: nn.Module, example_inputs: tuple, loss_fn, submesh: Mesh, clu
 
 def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, cluster, *, pp_link=None,
              optimizer: str = "adamw", precision: str = "fp32", time_limit_s: float = 60.0, solver: str = "HIGHS",
-             reuse_layers: bool = False, graph_cache: dict | None = None, cache: str | None = None) -> list:
+             reuse_layers: bool = False, graph_cache: dict | None = None, cache: str | None = None,
+             deadline: float | None = None) -> list:
     """A Profile at each (submesh, microbatch) of ``points``.
 
     ``reuse_layers``: price a model with many identical layers on a two-layer
@@ -363,8 +362,10 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
     next call. ``cache``: a plan cache directory (autopar/plancache.py) whose
     solved layer classes answer the ILPs solved before, by this model or any
     other built of the same layers; the others are solved at once
-    (solver.in_parallel) and stored there."""
+    (solver.in_parallel) and stored there. The solves end by ``deadline``
+    (time.perf_counter(); default: ``time_limit_s`` from now)."""
     cluster = get_cluster(cluster)
+    deadline = deadline if deadline is not None else time.perf_counter() + time_limit_s
     graph_cache = graph_cache if graph_cache is not None else {}
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
     ilps = []
@@ -372,15 +373,22 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
         if ("graph", microbatch) not in graph_cache:
             graph_cache["graph", microbatch] = _capture_for_pricing(model, example_inputs, loss_fn, microbatch,
                                                                     reuse_layers, graph_cache)
-        ilps.append(_StageILP.make(graph_cache["graph", microbatch], submesh, microbatch, cluster, options))
+        graph, layers, repeated = graph_cache["graph", microbatch]
+        problem = prepare(graph, submesh, cluster, optimizer=optimizer, precision=precision, stage=True)
+        ilps.append(_Stage(problem, layers, repeated, microbatch))
     found = [None] * len(ilps)
     if cache:
         fingerprints = {id(ilp.graph): ilp.graph.fingerprint() for ilp in ilps}  # one per capture
         keys = [plancache.cache_key(fingerprints[id(ilp.graph)], ilp.submesh, cluster, {"stage_ilp": True, **options})
                 for ilp in ilps]
-        found = [plancache.load_solution(cache, key, ilp.graph, ilp.strategies) for key, ilp in zip(keys, ilps)]
+        found = [plancache.load_solution(cache, key, ilp.graph, ilp.problem.strategies)
+                 for key, ilp in zip(keys, ilps)]
     todo = [i for i, sol in enumerate(found) if sol is None]
-    for i, sol in zip(todo, in_parallel(lambda i: ilps[i].solve(options), todo)):
+
+    def solve(i: int):
+        return ilps[i].problem.solve(deadline=deadline, solver=solver).solution
+
+    for i, sol in zip(todo, in_parallel(solve, todo)):
         if isinstance(sol, Exception):
             raise sol
         if cache:
@@ -392,20 +400,30 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
     return [_profile(ilp, sol, pp_link, precision) for ilp, sol in zip(ilps, found)]
 
 
-def _profile(ilp: _StageILP, solution, pp_link, precision: str) -> Profile:
-    graph, layers = ilp.graph, ilp.layers
-    chosen = {name: ilp.strategies[name][i] for name, i in solution.choice.items()}
-    costs, cuts = _price(graph, layers, chosen, ilp.ctx, pp_link)
+def _profile(ilp: _Stage, solution, pp_link, precision: str) -> Profile:
+    graph, layers, problem = ilp.graph, ilp.layers, ilp.problem
+    chosen = Solved(problem, solution).chosen
+    costs, cuts = _price(graph, layers, chosen, problem.ctx, pp_link)
+    try:
+        rc = recomputation(graph, "selective", ctx=problem.ctx)
+    except AutoparError as e:  # layers a checkpoint cannot hold: selective is not offered
+        log.info("autopar: selective recomputation is not an option in this pipeline: %s", e)
+        rc = None
+    selective = _price(graph, layers, chosen, problem.ctx, pp_link, rc)[0] if rc is not None and rc.regions \
+        else None
     forbidden = set(layers.forbidden)
     if ilp.repeated:
+        if selective is not None:
+            selective = _expand(selective, cuts, layers, ilp.repeated[1])[0]
         costs, cuts, forbidden = _expand(costs, cuts, layers, ilp.repeated[1])
     if precision != "fp32":
         dtype = precision
     else:
         dtypes = [graph.nodes[ph].out.dtype for ph in graph.params.values()]
         dtype = _dtype_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
-    return Profile(costs, cuts, forbidden, ilp.submesh, ilp.microbatch, graph, layers, chosen, ilp.strategies,
-                   solution, ilp.repeated, ilp.fallbacks, dtype, ilp.ctx)
+    return Profile(costs, cuts, forbidden, ilp.submesh, ilp.microbatch, graph, layers, chosen, problem.strategies,
+                   solution, ilp.repeated, problem.fallbacks, dtype, problem.ctx, selective,
+                   rc if selective is not None else None)
 
 
 def _capture_for_pricing(model, example_inputs, loss_fn, microbatch: int, reuse_layers: bool, cache: dict):

@@ -16,7 +16,9 @@ from autopar.plan import Plan
 from autopar.planner import plan_flat as compile_flat
 from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
 from autopar.pipeline.pricing import Profile, batch_size, profiles as price
-from autopar.pipeline.stages import Candidate, MARGIN, Schedule, evaluate, should_pipeline, _best, _schedules
+from autopar.pipeline.stages import (
+    Candidate, MARGIN, Schedule, evaluate, recompute_modes, should_pipeline, _best, _schedules,
+)
 
 
 MICROBATCH_PER_DP_RANK = (1, 2)
@@ -80,9 +82,10 @@ def _divisors(n: int) -> list:
 
 def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, loss_fn, stages: int | None = None,
                     microbatches: int | None = None, schedule=None, memory: float | None = None,
-                    recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                    recompute: str | None = None, optimizer: str = "adamw", precision: str = "fp32",
                     time_limit_s: float = 60.0, solver: str = "HIGHS", reuse_layers: bool | None = None,
-                    margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None) -> PipelineSearch:
+                    margin: float = MARGIN, max_tp: int | None = None, cache: str | None = None,
+                    deadline: float | None = None) -> PipelineSearch:
     """Factor ``world`` devices into pp x dp x tp and choose layers, microbatches,
     schedule and recomputation for each factorisation.
 
@@ -93,8 +96,10 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     stage's gradients once per step. ``stages=1`` or a single stage candidate
     is "no pipeline": one microbatch of the whole local batch. ``cache``: a
     plan cache directory (autopar/plancache.py) whose solved layer classes
-    answer the stage ILPs solved before."""
+    answer the stage ILPs solved before. The stage ILPs end by ``deadline``
+    (time.perf_counter(); default ``time_limit_s`` from now)."""
     t0 = time.perf_counter()
+    deadline = deadline if deadline is not None else t0 + time_limit_s
     cluster = get_cluster(cluster)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if loss_fn is None:
@@ -108,13 +113,12 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     pairs = [(t, b) for t in tps for b in points]
     solved = price(model, example_inputs, loss_fn, [(Mesh((t,), ("tp",)), b) for t, b in pairs], cluster,
                    optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                   reuse_layers=reuse_layers is not False, cache=cache)
+                   reuse_layers=reuse_layers is not False, cache=cache, deadline=deadline)
     profiles = dict(zip(pairs, solved))
     first = solved[0]
     n = len(first.layers)
     evaluated = feasible = 0
     pipelined, flat = [], []
-    recomputes = [recompute] if recompute is not None else [False, True]
     for t in tps:
         for p in _divisors(world // t):
             if p > n or (stages is not None and p != stages):
@@ -131,7 +135,7 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
                     continue
                 prof = _with_pp_link(_profile_at(profiles, t, b0, points), links[0] if p > 1 else None)
                 for sched, v in _schedules(schedule, p, m, n):
-                    for rc in recomputes:
+                    for rc in recompute_modes(prof, recompute):
                         evaluated += 1
                         c = evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget, dp=d,
                                      dp_link=links[1])
@@ -186,9 +190,10 @@ def _microbatch_statistics(model: nn.Module, microbatches: int) -> list[str]:
 
 def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn, stages: int | None = None,
                       microbatches: int | None = None, schedule=None, memory: float | None = None,
-                      recompute: bool | None = None, optimizer: str = "adamw", precision: str = "fp32",
+                      recompute: str | None = None, optimizer: str = "adamw", precision: str = "fp32",
                       time_limit_s: float = 60.0, solver: str = "HIGHS", source: str | None = None,
-                      margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None) -> Plan:
+                      margin: float = MARGIN, reuse_layers: bool | None = None, cache: str | None = None,
+                      deterministic: bool = False) -> Plan:
     """Plan ``model`` with pipeline parallelism where it pays.
 
     * ``mesh`` with a ``pp`` axis ("pp=2,tp=2"): the pipeline has that many
@@ -202,13 +207,31 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
       ``microbatches`` > 1, a one-stage pipeline: gradient accumulation over
       the microbatches, reduced once per step, ZeRO-1 over data parallelism.
     ``microbatches`` / ``schedule`` ("gpipe", "1f1b", "interleaved-1f1b") pin
-    those choices; ``recompute`` pins full activation recomputation on or off
-    (the runtime does not recompute yet). The plan's ``pipeline`` section is
+    those choices; ``recompute`` pins the stages' activation recomputation
+    ("none", "selective" or "full"; by default the search tries each). The plan's ``pipeline`` section is
     None when it does not pipeline. A model on the meta device with many
     identical layers gets a planning-only plan (stages and costs, no per-node
     strategies); ``reuse_layers=False`` captures it whole instead.
     ``cache``: a plan cache directory (autopar/plancache.py): the stage ILPs
-    reuse its solved layer classes, a plan without a pipeline its plans."""
+    reuse its solved layer classes, a plan without a pipeline its plans.
+    ``deterministic`` leaves the wall-clock times out of the plan (equal
+    inputs give byte-identical plan.json)."""
+    plan = _compile_pipelined(model, example_inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, stages=stages,
+                              microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
+                              optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
+                              source=source, margin=margin, reuse_layers=reuse_layers, cache=cache,
+                              deterministic=deterministic)
+    if deterministic:
+        plan.solver["wall_s"] = None
+        plan.solver.pop("timings", None)
+        if isinstance(plan.solver.get("pipeline_search"), dict):
+            plan.solver["pipeline_search"]["wall_s"] = None
+    return plan
+
+
+def _compile_pipelined(model, example_inputs, *, mesh, cluster, loss_fn, stages, microbatches, schedule, memory,
+                       recompute, optimizer, precision, time_limit_s, solver, source, margin, reuse_layers, cache,
+                       deterministic) -> Plan:
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh)
     cluster = get_cluster(cluster)
@@ -218,7 +241,14 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise AutoparError(f"stages must be a positive integer, got {stages!r}")
     options = dict(optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver)
-    flat = dict(cluster=cluster, loss_fn=loss_fn, memory=memory, source=source, cache=cache, **options)
+    deadline = t0 + time_limit_s  # the whole compile's
+
+    def compile_flat_(model, inputs, mesh):
+        """The flat planner in what is left of the time limit."""
+        return compile_flat(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory, source=source,
+                            cache=cache, deterministic=deterministic, optimizer=optimizer, precision=precision,
+                            solver=solver, time_limit_s=max(deadline - time.perf_counter(), 1e-3))
+
     accumulate = dict(microbatches=microbatches, schedule=schedule, memory=memory, recompute=recompute,
                       source=source, reuse_layers=bool(reuse_layers), t0=t0, cache=cache, **options)
     accumulates = microbatches not in (None, 1)  # without a pipeline: a pipeline of one stage
@@ -228,19 +258,20 @@ def compile_pipelined(model: nn.Module, example_inputs, *, mesh, cluster, loss_f
             raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
                                f"coordinate of its pp axis; use a mesh with pp={stages}")
         if p == 1 and not accumulates:
-            return compile_flat(model, example_inputs, mesh=_inner_mesh(mesh), **flat)
+            return compile_flat_(model, example_inputs, _inner_mesh(mesh))
         return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
     if stages == 1 and not accumulates:
-        return compile_flat(model, example_inputs, mesh=mesh, **flat)
+        return compile_flat_(model, example_inputs, mesh)
     if stages == 1:
         return _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate)
     found = search_pipeline(model, example_inputs, world=mesh.size, cluster=cluster, loss_fn=loss_fn,
                             stages=stages, microbatches=microbatches, schedule=schedule, memory=memory,
                             recompute=recompute, reuse_layers=reuse_layers, margin=margin,
-                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, cache=cache, **options)
+                            max_tp=mesh.shape[-1] if mesh.ndim > 1 else None, cache=cache, deadline=deadline,
+                            **options)
     if not found.pipeline:
         plan = _plan_on_mesh(model, example_inputs, loss_fn, _with_pp(mesh), cluster, **accumulate) \
-            if accumulates else compile_flat(model, example_inputs, mesh=mesh, **flat)
+            if accumulates else compile_flat_(model, example_inputs, mesh)
         plan.solver["pipeline_search"] = found.summary()
         return plan
     best = found.pipelined
@@ -306,14 +337,14 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
         ms = [m for m in _divisors(B) if m >= min(p, B)][:MAX_MICROBATCH_CANDIDATES]
     solved = price(model, example_inputs, loss_fn, [(inner, B // m) for m in ms], cluster, pp_link=pp_link,
                    optimizer=optimizer, precision=precision, time_limit_s=time_limit_s, solver=solver,
-                   reuse_layers=reuse_layers, cache=cache)
+                   reuse_layers=reuse_layers, cache=cache, deadline=t0 + time_limit_s)
     cands, evaluated = [], 0
     for m, prof in zip(ms, solved):
         pairs = _schedules(schedule, p, m, len(prof.layers))
         if virtual_stages is not None:
             pairs = [(s, v) for s, v in pairs if v == virtual_stages]
         for sched, v in pairs:
-            for rc in ([recompute] if recompute is not None else [False, True]):
+            for rc in recompute_modes(prof, recompute):
                 evaluated += 1
                 cands.append(evaluate(prof, p=p, m=m, schedule=sched, v=v, recompute=rc, budget=budget))
     best = _best(cands)

@@ -58,7 +58,8 @@ class Candidate:
     """Sequences per microbatch on one submesh."""
     schedule: Schedule
     virtual_stages: int
-    recompute: bool
+    recompute: str
+    """"none", "selective" or "full" (``RECOMPUTE``)."""
     ranges: list
     """[start, stop) layer ranges, one per chunk (p x v chunks; chunk c runs on pp rank c mod p)."""
     chunk_time_s: list
@@ -86,7 +87,7 @@ class Candidate:
         return {"stages": self.stages, "submesh": list(self.submesh), "dp": self.dp,
                 "microbatches": self.microbatches, "microbatch": self.microbatch,
                 "schedule": self.schedule.value, "virtual_stages": self.virtual_stages,
-                "recompute": "full" if self.recompute else "none", "step_s": self.step_s,
+                "recompute": self.recompute, "step_s": self.step_s,
                 "bubble_s": self.bubble_s, "memory_bytes": self.memory_bytes}
 
 
@@ -99,15 +100,42 @@ def _in_flight(schedule: Schedule, p: int, m: int, v: int, rank: int) -> float:
     return held
 
 
-def _layer_arrays(prof: Profile, recompute: bool, pipelined: bool, dp: int = 1):
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation a pipeline's stages may run (passes/recompute.py's
+modes): none; selective (each numbered layer's regions that free the most
+memory per recomputed second, ``Profile.selective``); full (each numbered
+layer keeps only its input, as codegen checkpoints it)."""
+
+
+def recompute_modes(prof: Profile, recompute: str | None) -> list:
+    """The recomputation modes to try on ``prof``: the one asked for, or all it can take."""
+    if recompute is not None:
+        if recompute not in RECOMPUTE:
+            raise AutoparError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
+        return [recompute]
+    return [m for m in RECOMPUTE if m != "selective" or prof.selective is not None]
+
+
+def _layer_arrays(prof: Profile, recompute: str, pipelined: bool, dp: int = 1):
     """Per layer: time per microbatch, state bytes, activation bytes kept per
     microbatch in flight, its working set in backward (its activations again
     when recomputed, plus its largest gradient working set), and the bytes of
     parameters its devices update. In a pipeline, optimizer states are
     sharded over the submesh (``zero1_axis``) and over ``dp`` replicas."""
     L, C = prof.layers, prof.cuts
-    rc = [recompute and lc.recomputable for lc in L]
-    t = np.array([lc.time_s + (lc.fwd_s if r else 0.0) for lc, r in zip(L, rc)])
+    if recompute == "selective":
+        if prof.selective is None:
+            raise AutoparError("selective recomputation is not an option for this model's layers")
+        L = prof.selective
+        t = np.array([lc.time_s for lc in L])  # the regions' forward is in their backward already
+        kept = np.array([lc.act_bytes for lc in L])
+        work = np.array([lc.recomputed_bytes + lc.transient_bytes for lc in L])
+    else:
+        rc = [recompute == "full" and lc.recomputable for lc in L]
+        t = np.array([lc.time_s + (lc.fwd_s if r else 0.0) for lc, r in zip(L, rc)])
+        kept = np.array([(C[i].held_bytes if i > 0 else 0.0) if r else lc.act_bytes
+                         for i, (lc, r) in enumerate(zip(L, rc))])
+        work = np.array([(lc.act_bytes if r else 0.0) + lc.transient_bytes for lc, r in zip(L, rc)])
     if pipelined:
         state = np.array([lc.param_bytes + lc.sharded_optimizer_bytes / dp for lc in L])
         updated = np.array([lc.updated_bytes / dp for lc in L])
@@ -115,8 +143,6 @@ def _layer_arrays(prof: Profile, recompute: bool, pipelined: bool, dp: int = 1):
         state = np.array([lc.param_bytes + lc.optimizer_bytes for lc in L])
         updated = np.array([lc.param_bytes for lc in L])
     grads = np.array([lc.grad_bytes for lc in L])
-    kept = np.array([(C[i].held_bytes if i > 0 else 0.0) if r else lc.act_bytes for i, (lc, r) in enumerate(zip(L, rc))])
-    work = np.array([(lc.act_bytes if r else 0.0) + lc.transient_bytes for lc, r in zip(L, rc)])
     return t, state, grads, kept, work, updated
 
 
@@ -133,7 +159,7 @@ def _device_memory(state, grads, acts, temp, p: int) -> float:
     return state + grads + np.maximum(acts, temp)
 
 
-def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool,
+def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule, v: int, recompute: str,
               budget: float, dp: int = 1) -> list | None:
     """Contiguous layer ranges for ``chunks`` chunks minimising the slowest
     chunk's time per microbatch, each chunk inside its share of the memory
@@ -184,7 +210,7 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     return list(reversed(ranges))
 
 
-def even_ranges(prof: Profile, chunks: int, recompute: bool) -> list | None:
+def even_ranges(prof: Profile, chunks: int, recompute: str) -> list | None:
     """Contiguous ranges of about equal time (cuts at the quantiles of the
     cumulative time per microbatch, on allowed cuts): with v chunks per device
     in an interleaved schedule, a device's time is the sum of its chunks, which
@@ -210,7 +236,7 @@ def even_ranges(prof: Profile, chunks: int, recompute: bool) -> list | None:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recompute: bool, budget: float,
+def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recompute: str, budget: float,
              dp: int = 1, dp_link=None, ranges: list | None = None) -> Candidate | None:
     """Partition (unless ``ranges`` is given) and price one configuration; None
     if it does not fit in ``budget`` bytes per device."""
@@ -224,11 +250,13 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
         found = [evaluate(prof, p=p, m=m, schedule=schedule, v=v, recompute=recompute, budget=budget, dp=dp,
                           dp_link=dp_link, ranges=r) for r in options if r is not None]
         return _best(found)
-    L, C = prof.layers, prof.cuts
+    C = prof.cuts
+    L = prof.selective if recompute == "selective" else prof.layers
     n = len(L)
     t, state, grads, kept, work, updated = _layer_arrays(prof, recompute, p > 1, dp)
     params = np.array([lc.param_bytes for lc in L])
-    compute_of = np.array([lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute and lc.recomputable else 0.0) for lc in L])
+    compute_of = np.array([lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute == "full" and lc.recomputable else 0.0)
+                           for lc in L])
     chunk_time = []
     dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, updated=0.0, acts=0.0, work=0.0, sync=0.0)
            for _ in range(p)]
