@@ -149,6 +149,10 @@ class Device:
     tensor cores' native one (V100, A100, CPU ranks); below 1 on Hopper, whose
     full rate needs the asynchronous warpgroup MMA (``wgmma``) that cuBLAS and
     FlashAttention-3 issue (HOPPER_SYNCHRONOUS_MMA_FRACTION)."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors (SMs) of a GPU: what a communication kernel
+    that runs beside a GEMM takes its share of (overlap of tensor-parallel
+    collectives, transformer.tp_layer_comm); 0 where not known or not a GPU."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more
@@ -176,6 +180,9 @@ class Device:
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
         _positive(where, "special_function_rate (1/s)", self.special_function_rate, allow_zero=True)
         _fraction(where, "synchronous_mma_fraction", self.synchronous_mma_fraction)
+        if not isinstance(self.multiprocessors, int) or isinstance(self.multiprocessors, bool) \
+                or self.multiprocessors < 0:
+            raise ClusterError(f"{where}: multiprocessors must be an integer >= 0, got {self.multiprocessors!r}")
         if not isinstance(self.element_time, dict):
             raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "
                                f"got {self.element_time!r}")
@@ -434,7 +441,7 @@ throughput of native arithmetic instructions). Times SMs and boost clock:
 A100 SXM 108 SMs at 1.41 GHz, H100/H200 SXM 132 at 1.83 GHz (the clocks at
 which 1024 and 2048 dense bf16 FMA per SM per clock give the datasheet's 312
 and 989 TFLOP/s), V100 SXM2 80 at 1.53 GHz (NVIDIA A100, H100 and V100 architecture
-whitepapers). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
+whitepapers; the same SM counts are Device.multiprocessors). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
 against its 989 TFLOP/s of matmul (Shah et al. 2024, sec. 3)."""
 
 
@@ -468,15 +475,15 @@ _GPU_EFFICIENCIES = dict(gemm_efficiency=A100_GEMM_EFFICIENCY, gemm_latency=GEMM
                          memory_efficiency=A100_MEMORY_EFFICIENCY, op_latency=KERNEL_LATENCY)
 
 A100_80GB = Device("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 2039 * GB,
-                   special_function_rate=_sfu_rate(108, 1.41e9), **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(108, 1.41e9), multiprocessors=108, **_GPU_EFFICIENCIES)
 _HOPPER_EFFICIENCIES = dict(_GPU_EFFICIENCIES, gemm_efficiency=H100_GEMM_EFFICIENCY,
                             synchronous_mma_fraction=HOPPER_SYNCHRONOUS_MMA_FRACTION)
 H100_80GB = Device("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 3350 * GB,
-                   special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(132, 1.83e9), multiprocessors=132, **_HOPPER_EFFICIENCIES)
 H200 = Device("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 4800 * GB,
-              special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
+              special_function_rate=_sfu_rate(132, 1.83e9), multiprocessors=132, **_HOPPER_EFFICIENCIES)
 V100_32GB = Device("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 32 * GB, 900 * GB,
-                   special_function_rate=_sfu_rate(80, 1.53e9), **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(80, 1.53e9), multiprocessors=80, **_GPU_EFFICIENCIES)
 
 BORROWED_EFFICIENCIES = (
     "its GEMM and memory efficiencies are the A100's fit, not measured on this GPU, and `autopar calibrate` on one "

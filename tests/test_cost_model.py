@@ -471,17 +471,19 @@ def test_cpu_profile_is_calibrated():
 # --- the optimizer step of emitted programs -----------------------------------------------------
 
 @pytest.mark.parametrize("optimizer, ops, nbytes", [("adamw", 9, 80), ("adam", 8, 72), ("sgd", 1, 12),
-                                                    ("sgd-momentum", 3, 32)])
+                                                    ("sgd-momentum", 3, 32), ("adamw-fused", 1, 28),
+                                                    ("sgd-momentum-fused", 1, 20)])
 @pytest.mark.parametrize("cluster", ["cpu", "dgx-a100"])
 def test_optimizer_step_is_torch_optims_passes(optimizer, ops, nbytes, cluster):
     """torch.optim runs each op of its update as a pass over the tensors (AdamW:
-    80 bytes per fp32 element, not the 28 of one fused read-modify-write); on
-    CPU ranks it launches them parameter by parameter."""
+    80 bytes per fp32 element, not the 28 of one fused read-modify-write,
+    ``adamw-fused``); on CPU ranks it launches them parameter by parameter.
+    Both books price it with the same function (cost_models/optimizer.py)."""
     import torch
     from torch import nn
     import autopar
-    from autopar.cost_models.graph_costs import OPTIMIZER_PASSES, OPTIMIZER_STATES
-    assert set(OPTIMIZER_PASSES) == set(OPTIMIZER_STATES)
+    from autopar.cost_models.optimizer import FUSED_BYTES, OPTIMIZER_PASSES, OPTIMIZER_STATES
+    assert set(OPTIMIZER_PASSES) | set(FUSED_BYTES) == set(OPTIMIZER_STATES)
     model = nn.Linear(1000, 1000, bias=False)
     plan = autopar.compile(model, (torch.randn(4, 1000), torch.randn(4, 1000)), mesh="2", cluster=cluster,
                            loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
