@@ -21,7 +21,7 @@ two to 2%.
 """
 from __future__ import annotations
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import NodeKind, capture
 from autopar.cost_models.cluster import get_cluster
@@ -65,9 +65,10 @@ def hand_strategies(graph, strategies: dict, pins: dict) -> tuple[dict, dict]:
     """(strategies, pins) with every pinned node's strategies cut to its pin,
     and every op that reads a parameter cut to those that compute on the
     parameter as it is stored over each axis the inputs are not split over,
-    and on the batch shard (an input derived from the inputs, split) over
-    each axis they are: the hand plan's layout. An op left with no strategy
-    keeps all of them."""
+    and on the whole parameter (gathered, if stored sharded: ZeRO) and the
+    batch shard (an input derived from the inputs, split) over each axis
+    they are: the hand plan's layout. An op left with no strategy keeps all
+    of them."""
     n_axes = len(next(iter(strategies.values()))[0].output)
     batch_axes = {a for name, i in pins.items() if graph.nodes[name].kind is NodeKind.INPUT
                   for a, p in enumerate(strategies[name][i].output) if isinstance(p, Shard)}
@@ -84,8 +85,8 @@ def hand_strategies(graph, strategies: dict, pins: dict) -> tuple[dict, dict]:
         data = [idx for idx, src in enumerate(node.inputs) if src in batched]
 
         def hand(s) -> bool:
-            return all(s.inputs[idx][a] == spec[a] for idx, spec in weights.items()
-                       for a in range(n_axes) if a not in batch_axes) \
+            return all(s.inputs[idx][a] == spec[a] if a not in batch_axes else isinstance(s.inputs[idx][a], Replicate)
+                       for idx, spec in weights.items() for a in range(n_axes)) \
                 and all(isinstance(s.inputs[idx][a], Shard) for idx in data for a in batch_axes)
 
         kept = [s for s in out[node.name] if hand(s)]

@@ -558,9 +558,11 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
     embed = kernel_times(embedding_kernels(model, plan), plan, cluster, recompute=False)
     head = kernel_times(head_kernels(model, plan), plan, cluster, recompute=False)
     head_comm = tp_head_comm(model, plan, fabric)
-    # Each virtual chunk receives its input and sends its output once forward
-    # and once backward per microbatch.
-    p2p = 2 * plan.virtual_stages * pp_transfer(model, plan, fabric)
+    # Each virtual chunk waits for what it receives once forward (its input)
+    # and once backward (its output's gradient) per microbatch; the first
+    # chunk receives no input and the last no gradient (the send is the
+    # receiver's wait, counted once: pipeline/stages.py prices a stage alike).
+    transfer = pp_transfer(model, plan, fabric)
     out = []
     for i, n in enumerate(layers):
         compute, comm = layer * n, layer_comm * n
@@ -570,6 +572,7 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
             compute, comm = compute + head, comm + head_comm
         hidden = lambda raw, exposed: PassTimes(*(max(0.0, a - b) for a, b in zip(  # noqa: E731
             (raw.forward, raw.recompute, raw.backward), (exposed.forward, exposed.recompute, exposed.backward))))
+        p2p = (2 * plan.virtual_stages - (i == 0) - (i == plan.pp - 1)) * transfer
         out.append(StageTime(compute, comm, p2p, ring * n, hidden(tp_raw, layer_comm) * n, hidden(ring_raw, ring) * n))
     return out
 
@@ -601,12 +604,22 @@ def _grad_sync(kind: Collective, nbytes: float, fabric: Fabric) -> float:
     return full * fabric.time(kind, GRAD_BUCKET_BYTES, "dp") + (fabric.time(kind, rest, "dp") if rest else 0.0)
 
 
+def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fabric: Fabric) -> float:
+    """Seconds to gather or reduce ``tensors`` (parameters each) over dp: one
+    collective per tensor in eager PyTorch, as a compiled plan lists and
+    prices them (one per tensor, before bucketing); in GRAD_BUCKET_BYTES
+    buckets where the kernels are Megatron-LM's."""
+    if plan.kernels is Kernels.EAGER:
+        return sum(fabric.time(kind, k * e, "dp") for k in tensors)
+    return _grad_sync(kind, sum(tensors) * e, fabric)
+
+
 def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> tuple[list, list]:
-    """(parameters, backward seconds) of the first pipeline stage's kernels in
-    forward order, one microbatch: each weight GEMM with its weight (and
-    bias), each norm with its scale (and shift), the embedding with its
-    tables, the output layer with its own weights (a tied one's gradient
-    joins the embedding's). A gradient is made, and can be reduced, once its
+    """(the weight tensors' parameters, backward seconds) of the first pipeline
+    stage's kernels in forward order, one microbatch: each weight GEMM's
+    matrix and bias, each norm's scale and shift, the embedding's tables,
+    the output layer's own weights (a tied one's gradient joins the
+    embedding's). A gradient is made, and can be reduced, once its
     kernel's backward has run; the kernels before it are what is left to
     hide it (overlap.exposed_sync)."""
     t, h = plan.tp, model.hidden
@@ -614,11 +627,12 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
     norm = h if model.swiglu else 2 * h
     bias = model.biases
 
-    def weights(k: Kernel) -> float:
+    def weights(k: Kernel) -> list:
+        """The weight tensors a kernel reads: a GEMM's matrix and bias, a norm's scale and shift."""
         if k.matmul and not k.attention_core and len(k.shape) == 4 and k.name != "logits":
             _, _, rows, cols = k.shape
-            return rows * cols + (cols if bias else 0)
-        return norm if "norm" in k.name else 0.0
+            return [rows * cols] + ([cols] if bias else [])
+        return [h] * (norm // h) if "norm" in k.name else []
 
     def backward(k: Kernel, recomputed: bool) -> float:
         f, b = k.seconds(device, dtype)
@@ -627,10 +641,11 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
     full = plan.recompute is Recompute.FULL
     table = padded_vocab(model, plan) * h / t
     params, seconds = [], []
-    for k in embedding_kernels(model, plan):
-        params.append(0.0)
+    for i, k in enumerate(embedding_kernels(model, plan)):
+        params.append([table] if i == 0 else [])
         seconds.append(backward(k, False))
-    params[0] = table + (model.embedding_params() - model.vocab * h)
+    if not model.swiglu:  # learned positions
+        params[1 if len(params) > 1 else 0].append(model.seq * h)
     layer = layer_kernels(model, plan)
     for _ in range(stage_layers(model, plan)[0]):
         for k in layer:
@@ -638,8 +653,8 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
             seconds.append(backward(k, full or (plan.recompute is Recompute.SELECTIVE and k.attention_core)))
     if plan.pp == 1:
         for k in head_kernels(model, plan):
-            params.append(norm if "norm" in k.name else (table if k.name == "logits" and model.untied_embeddings
-                                                         else 0.0))
+            params.append(weights(k) if "norm" in k.name else
+                          ([table] if k.name == "logits" and model.untied_embeddings else []))
             seconds.append(backward(k, False))
     return params, seconds
 
@@ -670,7 +685,7 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     kind = Collective.ALL_REDUCE if plan.zero == 0 else Collective.REDUCE_SCATTER
     if plan.overlap_grad_reduce:
         pieces, bwd = _param_chain(model, plan, fabric.cluster)
-        syncs = [_grad_sync(kind, k * e, fabric) for k in pieces]
+        syncs = [_collectives(kind, k, e, plan, fabric) for k in pieces]
         busy, stalled = _dp_link_traffic(plan, fabric, stage)
         bwd[-1] += stalled  # other links' collectives stall the compute, not the sync
         exposed = exposed_sync(syncs, bwd, busy)
@@ -682,8 +697,8 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
         layer = [False] * len(embedding_kernels(model, plan)) + [True] * (len(pieces) - len(embedding_kernels(
             model, plan)) - (len(head_kernels(model, plan)) if plan.pp == 1 else 0))
         layer += [False] * (len(pieces) - len(layer))
-        return exposed + sum(fabric.time(Collective.ALL_GATHER, k * e, "dp") * (again if inside else 1)
-                             for k, inside in zip(pieces, layer) if k)
+        return exposed + sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) * (again if inside else 1)
+                             for k, inside in zip(pieces, layer))
     if plan.zero in (1, 2):
         gather = _grad_sync(Collective.ALL_GATHER, params * e, fabric)
         first = min(gather, fabric.time(Collective.ALL_GATHER, min(GRAD_BUCKET_BYTES, params * e), "dp"))
@@ -732,8 +747,8 @@ def zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, 
     sharded, replicated = model.layer_params()
     layer = (sharded / plan.tp + replicated) * e
     pieces, bwd_chain = _param_chain(model, plan, fabric.cluster)
-    gather = [fabric.time(Collective.ALL_GATHER, k * e, "dp") for k in pieces if k]
-    scatter = [fabric.time(Collective.REDUCE_SCATTER, k * e, "dp") for k in pieces]
+    gather = [_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces]
+    scatter = [_collectives(Collective.REDUCE_SCATTER, k, e, plan, fabric) for k in pieces]
     # backward gathers each layer again; a recomputed forward runs in backward on that same gather
     if plan.overlap_param_gather:  # a layer's weights in one gather, one layer ahead (FSDP's unit: a block)
         g, r = fabric.time(Collective.ALL_GATHER, layer, "dp"), fabric.time(Collective.REDUCE_SCATTER, layer, "dp")
@@ -811,7 +826,8 @@ def eager_layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, r
     each op keeps the inputs its backward reads (a norm and a GEMM their
     input, GeLU its input, a product both, scaled_dot_product_attention its
     q, k, v and output), an addition nothing, a view its base's storage, a
-    dropout its one-byte mask. Under tensor parallelism the inputs of the
+    dropout its one-byte mask; the attention's output reaches the output
+    GEMM through a reshape of its transposed heads, a copy, kept too. Under tensor parallelism the inputs of the
     column-parallel GEMMs are kept whole (the all-gathered copy, under
     sequence parallelism too), the norm inputs on the sequence shard. Full
     recomputation keeps the layer's input only."""
@@ -822,7 +838,9 @@ def eager_layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, r
     if recompute is Recompute.FULL:
         return e * full
     norms = 2 * e * full + 2 * e * tokens * h  # the two norms' inputs (sharded) and outputs (gathered)
-    attention = e * tokens * (2 * h + 2 * kv) / t  # q, k, v and the attention's output
+    # q, k, v and the attention's output, and the copy the output GEMM reads (a reshape of the
+    # transposed heads copies)
+    attention = e * tokens * (3 * h + 2 * kv) / t
     mlp = e * tokens * f / t * (4 if model.swiglu else 2)  # gate, up, silu, product / fc out, gelu out
     masks = 2 * full if model.dropout else 0.0
     return norms + attention + mlp + masks
@@ -873,7 +891,10 @@ def _eager_peak(model: TransformerConfig, plan: TrainingPlan, stage: int) -> flo
         if plan.zero == 2 and plan.dp * plan.cp > 1:  # its weights, gathered again for its recomputation
             sharded, replicated = model.layer_params()
             layer += e * (sharded / t + replicated)
-    extra = (full if model.dropout else 0.0) if stage == 0 else 0.0  # the embedding dropout's mask
+    extra = 0.0
+    if stage == 0:  # the embedding dropout's mask; the table's gradient, written whole
+        extra = full if model.dropout else 0.0
+        layer = max(layer, _eager_working(model, plan, embedding_kernels(model, plan)))
     if stage != plan.pp - 1:
         return extra + layer
     norm, logits, ce = head_kernels(model, plan)
