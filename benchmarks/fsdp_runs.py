@@ -38,6 +38,10 @@ MPT = {  # d_model, n_heads, n_layers: llm-foundry scripts/train/yamls/pretrain/
 """MPT sizes. Their GPT-2 block (biases, learned positions, 4h MLP, tied
 embeddings) is the estimate's GPT block, without dropout (MPT's p defaults
 to 0): the parameter counts are the published ones exactly."""
+MPT_OPTIMIZER = "adamw"
+"""llm-foundry builds its MPT recipes' optimizer, decoupled_adamw, as Composer's DecoupledAdamW (llm-foundry's
+build_optimizer), a torch.optim.AdamW subclass whose step is torch's multi-tensor update: a pass per op
+(cost_models/optimizer.py). Assumed for the benchmark runs, whose table does not name the optimizer."""
 _A100 = get_cluster("dgx-a100")
 A100_40GB = dataclasses.replace(
     _A100, name="dgx-a100-40gb",
@@ -71,7 +75,7 @@ class FsdpRun:
     def plan(self) -> TrainingPlan:
         return TrainingPlan(batch=self.global_batch, microbatch=self.microbatch, tp=1, pp=1, dp=self.gpus, zero=3,
                             recompute=Recompute.FULL if self.checkpointing else Recompute.NONE,
-                            attention=AttentionKernel.FLASH1)
+                            attention=AttentionKernel.FLASH1, optimizer=MPT_OPTIMIZER)
 
 
 def load_runs(path: str = CSV) -> list[FsdpRun]:

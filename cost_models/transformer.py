@@ -687,7 +687,8 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
         pieces, bwd = _param_chain(model, plan, fabric.cluster)
         syncs = [_collectives(kind, k, e, plan, fabric) for k in pieces]
         busy, stalled = _dp_link_traffic(plan, fabric, stage)
-        bwd[-1] += stalled  # other links' collectives stall the compute, not the sync
+        busy_at = [b > 0 for b in bwd]  # other links' collectives stall the compute, not the sync, all along
+        bwd = [b + stalled / max(1, sum(busy_at)) * at for b, at in zip(bwd, busy_at)]
         exposed = exposed_sync(syncs, bwd, busy)
     else:
         exposed = fabric.time(kind, params * e, "dp")
