@@ -29,7 +29,8 @@ import numpy as np
 
 from autopar.cost_models.cluster import Cluster, get_cluster
 from autopar.cost_models.transformer import StepEstimate, estimate, step_flops
-from autopar.cost_models.transformer_plan import AttentionKernel, Precision, Recompute, TrainingPlan, TransformerConfig
+from autopar.cost_models.transformer_plan import (AttentionKernel, Kernels, Precision, Recompute, TrainingPlan,
+                                                  TransformerConfig)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_runs  # noqa: E402  (benchmarks/fsdp_runs.py, beside this script)
@@ -214,6 +215,21 @@ MT_NLG = TransformerConfig(105, 20480, 128, 2048, 51200)
 LLAMA3_70B = TransformerConfig(80, 8192, 64, 8192, 128256, kv_heads=8, ffn_hidden=28672, swiglu=True,
                                untied_embeddings=True)
 AUTOMODEL_PLAN = TrainingPlan(batch=128, microbatch=1, tp=1, pp=1, cp=2, dp=32, zero=3, recompute=Recompute.FULL)
+LLAMA2_13B = TransformerConfig(40, 5120, 40, 4096, 32000, ffn_hidden=13824, swiglu=True, untied_embeddings=True)
+LLAMA2_70B = TransformerConfig(80, 8192, 64, 4096, 32000, kv_heads=8, ffn_hidden=28672, swiglu=True,
+                               untied_embeddings=True)
+TORCHTITAN_SOURCE = ("torchtitan, docs/performance.md (2024), \"Llama 3 performance numbers\" and \"Llama 2 performance "
+                     "numbers\" on 64 A100 (80GB) GPUs with FSDP2, words (tokens) per second per GPU")
+TORCHTITAN_ASSUMED = ("eager kernels (torch.compile is not named), FSDP2's prefetching, torch.optim's AdamW, the "
+                      "dgx-a100 preset's network (the page does not describe the cluster's)")
+
+
+def _torchtitan(name: str, model: TransformerConfig, microbatch: int, recompute: Recompute, wps: float) -> OtherRun:
+    plan = TrainingPlan(batch=64 * microbatch, microbatch=microbatch, dp=64, zero=3, recompute=recompute,
+                        kernels=Kernels.EAGER, optimizer="adamw")
+    return OtherRun(f"{name}, 64 GPUs (FSDP2, {'full AC' if recompute is Recompute.FULL else 'no AC'})",
+                    TORCHTITAN_SOURCE, tokens_as_tflops(model, plan, wps), False, TORCHTITAN_ASSUMED, model, plan,
+                    get_cluster("dgx-a100"))
 
 
 def tokens_as_tflops(model: TransformerConfig, plan: TrainingPlan, tokens_per_s: float) -> float:
@@ -223,12 +239,15 @@ def tokens_as_tflops(model: TransformerConfig, plan: TrainingPlan, tokens_per_s:
     return tokens_per_s * step_flops(model, plan)[0] / (plan.batch * model.seq) / 1e12
 
 
-def _llama3(dp: int, published: float) -> OtherRun:
+def _llama3(dp: int, published: float, cp: int = 1) -> OtherRun:
+    model = LLAMA3_405B if cp == 1 else dataclasses.replace(LLAMA3_405B, seq=131072)
+    batch = 16 * 2**20 // model.seq  # 16M tokens per batch (Table 4)
     return OtherRun(
-        f"Llama 3 405B, {16 * 8 * dp} GPUs", "Dubey et al., The Llama 3 Herd of Models, 2024, Table 4 and sec. 3.3.2",
+        f"Llama 3 405B, {16 * 8 * cp * dp} GPUs" + (f" (CP {cp}, 131K tokens)" if cp > 1 else ""),
+        "Dubey et al., The Llama 3 Herd of Models, 2024, Table 4 and sec. 3.3.2",
         published, False, "v = 2, no recomputation, ZeRO-2-like sharding (their FSDP keeps parameters gathered)",
-        LLAMA3_405B, TrainingPlan(batch=2048, microbatch=1, tp=8, pp=16, dp=dp, virtual_stages=2,
-                                  first_stage_layers=7, last_stage_layers=7, sequence_parallel=True, zero=2),
+        model, TrainingPlan(batch=batch, microbatch=1, tp=8, pp=16, dp=dp, cp=cp, virtual_stages=2,
+                            first_stage_layers=7, last_stage_layers=7, sequence_parallel=True, zero=2),
         get_cluster("dgx-h100"))
 
 
@@ -259,6 +278,10 @@ OTHER_RUNS = (
              "full recomputation, the one mode with which the plan fits in 80 GB (none and selective need 103 "
              "GiB); the published tokens/s in this model's FLOP count", LLAMA3_70B, AUTOMODEL_PLAN,
              get_cluster("dgx-h100")),
+    _llama3(8, 380, cp=16),
+    _torchtitan("Llama 3 70B", LLAMA3_70B, 1, Recompute.FULL, 331),
+    _torchtitan("Llama 2 13B", LLAMA2_13B, 2, Recompute.NONE, 2162),
+    _torchtitan("Llama 2 70B", LLAMA2_70B, 2, Recompute.FULL, 353),
     _mt_nlg(8, 126),
     _mt_nlg(10, 121),
     _mt_nlg(12, 113),
@@ -445,6 +468,63 @@ def _hfu(results: list[RowResult] | list[SelectiveResult], params_b: float) -> f
     return r.estimate.hardware_tflops_per_gpu * 1e12 / get_cluster("dgx-a100").device.flops("fp16")
 
 
+SOURCES = (  # (label, the run names it covers): OTHER_RUNS grouped by publication
+    ("BLOOM (BigScience 2022)", "BLOOM"),
+    ("Llama 3 report (Dubey et al. 2024, Table 4)", "Llama 3 405B"),
+    ("NeMo AutoModel performance summary (2026)", "Llama 3 70B, 64 GPUs (FSDP, CP"),
+    ("torchtitan docs/performance.md (FSDP2, 2024)", "Llama 3 70B, 64 GPUs (FSDP2", "Llama 2"),
+    ("MT-NLG (Smith et al. 2022)", "MT-NLG"),
+)
+
+
+def source_summary(results, selective, other, fsdp) -> list[tuple]:
+    """(source, GPU, rows, MAPE, largest error, mean signed error, fitted) per
+    source: signed relative errors of predicted against published throughput."""
+    out = [("Megatron-LM SC'21, Table 1 (Narayanan et al.)", "A100", [r.error for r in results], True)]
+    if selective:
+        out.append(("Megatron-LM 2022, Table 3 (Korthikanti et al.)", "A100", [r.error for r in selective], False))
+    for label, *prefixes in SOURCES:
+        mine = [r for r in other or [] if r.run.name.startswith(tuple(prefixes))]
+        if mine:
+            gpu = "H100" if "h100" in mine[0].run.cluster.name else "A100"
+            out.append((label, gpu, [r.error for r in mine], False))
+    for gpu, label in (("a100_80gb", "A100 80GB"), ("a100_40gb", "A100 40GB"), ("h100_80gb", "H100")):
+        mine = [r.error for r in fsdp or [] if r.run.gpu == gpu]
+        if mine:
+            out.append((f"MosaicML llm-foundry benchmarks ({label}, FSDP)", label, mine, False))
+    return [(name, gpu, len(errs), float(np.mean(np.abs(errs))), float(max(errs, key=abs)), float(np.mean(errs)),
+             fitted) for name, gpu, errs, fitted in out]
+
+
+def summary_section(results, selective, other, fsdp) -> list[str]:
+    rows = source_summary(results, selective, other, fsdp)
+    every = [r.error for r in results] + [r.error for r in selective or []] + [r.error for r in other or []] \
+        + [r.error for r in fsdp or []]
+    predicted = [e for e in every[len(results):]]
+    over = sum(abs(e) > 0.25 for e in every)
+    lines = [
+        "## Summary by source",
+        "",
+        "Signed error of predicted against published per-GPU throughput, by publication (sections below give",
+        "every row, its source and what was assumed where the publication is silent). Only the first source is",
+        "fitted (two A100 constants, once, for all its rows together); every other row is a prediction.",
+        "",
+        "| source | GPU | rows | MAPE | largest error | mean signed | fitted |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    lines += [f"| {name} | {gpu} | {n} | {100 * m:.1f}% | {_pct(big)} | {_pct(signed)} | {'yes' if fit else 'no'} |"
+              for name, gpu, n, m, big, signed, fit in rows]
+    lines += [
+        "",
+        f"**All {len(every)} rows: MAPE {100 * float(np.mean(np.abs(every))):.1f}%** (the {len(predicted)} predicted "
+        f"ones: {100 * float(np.mean(np.abs(predicted))):.1f}%; mean of the per-source MAPEs "
+        f"{100 * float(np.mean([r[3] for r in rows])):.1f}%); {over} row(s) beyond 25%, the largest "
+        f"{_pct(max(every, key=abs))}.",
+        "",
+    ]
+    return lines
+
+
 def report(results, fit=None, loo=None, measured=None, selective=None, other=None, fsdp=None) -> str:
     cluster = get_cluster("dgx-a100")
     dev = cluster.device
@@ -456,6 +536,7 @@ def report(results, fit=None, loo=None, measured=None, selective=None, other=Non
         f"({platform.machine()}, Python {platform.python_version()}); section 3 by "
         "`benchmarks/kernel_times.py --write` on a GPU. Do not edit by hand.",
         "",
+        *summary_section(results, selective, other, fsdp),
         "## 1. Published runs: Megatron-LM weak scaling on Selene",
         "",
         "Predicted vs published per-GPU throughput of the ten runs of Narayanan et al., *Efficient Large-Scale",

@@ -382,30 +382,29 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
     # these runs) keep it within 20% on average at every length.
     assert short <= 20.0 and long <= 20.0
     llama = [r.error for r in _validation_module().predict_other() if r.run.name.startswith("Llama 3 405B")]
-    assert " and ".join(f"{100 * e:+.0f}%".replace("+", "") for e in llama) in caveat
+    assert ", ".join(f"{100 * e:+.0f}%".replace("+", "") for e in llama) in caveat
     text = "\n".join(fsdp.fsdp_section(results) + fsdp.discussion(results))
     assert "h100_80gb (52 runs" in text and "faster on 8 H100s than on 8 A100s" in text
 
 
 def test_other_published_runs_are_the_published_models_and_stay_close():
     """The out-of-sample runs of docs/validation.md (BLOOM, Llama 3 405B and
-    70B, MT-NLG) are the published models (their parameter counts) on valid
-    plans; the
-    ones on Megatron-like runtimes stay within the acceptance's 20% per row
-    (Llama 3 on 16,384 H100s is the farthest, at about -18% with the assumed
-    interleaving depth v = 2; v = 4 gives -4%), and MT-NLG, whose
-    DeepSpeed pipeline the model does not price, is predicted faster than it
-    ran (the documented gap), never slower."""
+    70B, torchtitan's Llama 2 and 3, MT-NLG) are the published models (their
+    parameter counts) on valid plans, and stay within the acceptance's 25%
+    per row (Llama 3 on 16,384 H100s is the farthest of the Megatron-like
+    runtimes, at about -20% with the assumed interleaving depth v = 2), and
+    MT-NLG, whose DeepSpeed pipeline the model does not price, is predicted
+    faster than it ran (the documented gap), never slower."""
     validation = _validation_module()
     published = {"BLOOM": 176.247e9, "Llama 3 405B": 405_853_388_800, "Llama 3 70B": 70_553_706_496,
-                 "MT-NLG": 530e9}
+                 "Llama 2 13B": 13_015_864_320, "Llama 2 70B": 68_976_648_192, "MT-NLG": 530e9}
     for r in validation.predict_other():
         count = next(v for k, v in published.items() if r.run.name.startswith(k))
         assert r.run.model.parameters() == pytest.approx(count, rel=2e-3), r.run.name
         if r.run.name.startswith("MT-NLG"):
-            assert 0 < r.error < 0.30, r.run.name
+            assert 0 < r.error < 0.25, r.run.name
         else:
-            assert abs(r.error) <= 0.20, (r.run.name, r.error)
+            assert abs(r.error) <= 0.25, (r.run.name, r.error)  # issue 26's acceptance: no row beyond 25%
 
 
 # --- one accounting: estimate against the planner's books ----------------------------------------
@@ -656,7 +655,7 @@ def test_estimate_json_keys(capsys):
     assert estimate_main(args + ["--json"]) == 0
     captured = capsys.readouterr()
     caveat = json.loads(captured.out)["caveat"]
-    assert caveat.startswith("its GEMM efficiency is the A100's fit scaled") and caveat in captured.err
+    assert caveat.startswith("its GEMM efficiency and latency are its own") and caveat in captured.err
 
 
 def test_estimate_table_and_llama_flags(capsys):
