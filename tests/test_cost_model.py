@@ -125,10 +125,22 @@ def test_presets_with_borrowed_efficiencies_say_so():
     has cost."""
     assert get_cluster("dgx-a100").caveat == "" and get_cluster("cpu").caveat == ""
     for name in ("dgx-h100", "h200"):
-        assert get_cluster(name).caveat.startswith("its GEMM efficiency is the A100's fit scaled by")
+        assert get_cluster(name).caveat.startswith("its GEMM efficiency and latency are its own, from published")
         assert "MosaicML's 52 published H100 runs" in get_cluster(name).caveat
     assert get_cluster("p3.16xlarge").caveat.startswith("its GEMM and memory efficiencies are the A100's fit")
     assert "no published V100 run" in get_cluster("p3.16xlarge").caveat
+
+
+def test_hopper_gemm_latency_is_calculons_h100_curve():
+    """The H100's fixed cost per GEMM puts the roofline's curve through
+    Calculon's H100 table (1 GFLOP at 0.6 of a large GEMM's efficiency), as
+    the A100's 3 us does through its A100 table."""
+    from autopar.cost_models.cluster import CALCULON_HALF_POINT, _gemm_latency
+    flops, fraction = CALCULON_HALF_POINT
+    for name, peak in (("dgx-a100", 312e12), ("dgx-h100", 989e12), ("h200", 989e12)):
+        dev = get_cluster(name).device
+        assert dev.gemm_latency == pytest.approx(_gemm_latency(peak, dev.gemm_efficiency), rel=0.08)
+        assert dev.gemm_curve(flops, "bf16") == pytest.approx(fraction * dev.gemm_efficiency, rel=0.05)
 
 
 def test_hopper_gemm_efficiency_is_the_a100s_scaled_by_measured_matmul_fractions():
