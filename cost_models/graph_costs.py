@@ -317,7 +317,16 @@ def _saved(graph: Graph) -> tuple[dict, set]:
                 read.add(name)
         elif mask:
             kept[name] = mask
-    return kept, read
+    # a view shares its base's storage: priced where it is read only if its base is
+    return kept, {name for name in read if not is_view(graph.nodes[name]) or storage(graph, name) in read}
+
+
+def storage(graph: Graph, name: str) -> str:
+    """The node whose storage ``name`` shares (itself unless it is a view)."""
+    node = graph.nodes[name]
+    while node.kind is NodeKind.OP and is_view(node) and node.inputs:
+        node = graph.nodes[node.inputs[0]]
+    return node.name
 
 
 def is_view(node: Node) -> bool:

@@ -274,7 +274,11 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
     per_mb = dev[slow]["time"]
     bubble = (p - 1) / v * per_mb
     sync = max(d["sync"] for d in dev)
-    optimizer = max(_optimizer_s(prof, d["updated"]) for d in dev)
+    # the optimizer state sharded over the data-parallel replicas and the submesh as a pipeline's is
+    # (ZeRO-1, the all-reduce's bytes), without a pipeline too: the flat plan may shard it likewise (ZeRO-2)
+    updated = [sum(lc.updated_bytes for c, (i, j) in enumerate(ranges) if c % p == r for lc in L[i:j]) / dp
+               for r in range(p)]
+    optimizer = max(_optimizer_s(prof, u) for u in updated)
     step = m * per_mb + bubble + sync + optimizer
     flops = m * dp * sum(lc.flops for lc in L)
     return Candidate(p, tuple(prof.submesh.shape), dp, m, prof.microbatch, schedule, v, recompute, list(ranges),
