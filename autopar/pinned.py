@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.capture import NodeKind, capture
+from autopar.capture import capture
+from autopar.ir import NodeKind
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext
 from autopar.errors import AutoparError
