@@ -469,8 +469,10 @@ def measure_emitted_programs() -> list[dict] | str:
     at least ``predicted_step_s`` and ``measured_step_s``."""
     from autopar.measure import measure_step_time
     runs = {source: [] for source in MEASURED_MODELS}
+    loads = []
     for _ in range(MEASURED_ROUNDS):
         for source in MEASURED_MODELS:
+            loads.append(os.getloadavg()[0])
             runs[source].append(measure_step_time(source, mesh=MEASURED_MESH, cluster="cpu", nproc=MEASURED_NPROC,
                                                   steps=MEASURED_STEPS, windows=MEASURED_WINDOWS))
     rows = []
@@ -479,7 +481,8 @@ def measure_emitted_programs() -> list[dict] | str:
         rows.append({"source": source, "predicted_s": float(result["predicted_step_s"]),
                      "measured_s": float(np.median([r["measured_step_s"] for r in results])),
                      "launches_s": [float(r["measured_step_s"]) for r in results], "ops": result["op_nodes"],
-                     "collectives": result["collectives"], "comm_s": float(result["predicted"]["comm_s"])})
+                     "collectives": result["collectives"], "comm_s": float(result["predicted"]["comm_s"]),
+                     "load": (min(loads), max(loads))})
     return rows
 
 
@@ -744,7 +747,12 @@ def _measured_section(measured) -> list[str]:
         lines.append(f"| `{m['source']}` | {m['ops']} | {m['collectives']} | {1e3 * m['comm_s']:.1f} | "
                      f"{1e3 * m['predicted_s']:.1f} | {1e3 * m['measured_s']:.1f} | "
                      f"{', '.join(f'{1e3 * t:.1f}' for t in m['launches_s'])} | {_pct(err)} |")
-    return lines + ["", f"**MAPE {100 * float(np.mean(errs)):.1f}%** (acceptance: <= 20%).", "", CPU_MODEL, "", NOISE]
+    low, high = measured[0]["load"]
+    load = (f"1-minute load average {low:.1f}-{high:.1f} over the launches, on {os.cpu_count()} cores: other work "
+            "shared the machine" + (", and a program's launches spread as the table shows; read this MAPE as that "
+                                    "noise's" if high > os.cpu_count() else ""))
+    return lines + ["", f"**MAPE {100 * float(np.mean(errs)):.1f}%** (acceptance: <= 20%); {load}.", "", CPU_MODEL,
+                    "", NOISE]
 
 
 CPU_MODEL = (
