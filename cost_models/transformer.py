@@ -732,8 +732,8 @@ def _dp_link_traffic(plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> tu
 
 def zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> float:
     """ZeRO-3's exposed gathers and reductions on the first stage: per layer
-    and microbatch an all-gather of its weights for forward (again for the
-    recomputation), another for backward, and a reduce-scatter of its
+    and microbatch an all-gather of its weights for forward, another for
+    backward (which a recomputed forward shares), and a reduce-scatter of its
     gradients. With ``overlap_param_gather`` each is prefetched one layer
     ahead, under the compute of the layer before (FSDP's forward and backward
     prefetch); in backward the all-gather and the reduce-scatter of the layer
@@ -745,21 +745,19 @@ def zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, 
     where they cross the step stops shrinking: the communication floor."""
     e = plan.precision.elem_bytes
     n = stage_layers(model, plan)[0]
-    sharded, replicated = model.layer_params()
-    layer = (sharded / plan.tp + replicated) * e
-    pieces, bwd_chain = _param_chain(model, plan, fabric.cluster)
-    gather = [_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces]
-    scatter = [_collectives(Collective.REDUCE_SCATTER, k, e, plan, fabric) for k in pieces]
-    # backward gathers each layer again; a recomputed forward runs in backward on that same gather
     if plan.overlap_param_gather:  # a layer's weights in one gather, one layer ahead (FSDP's unit: a block)
+        sharded, replicated = model.layer_params()
+        layer = (sharded / plan.tp + replicated) * e
         g, r = fabric.time(Collective.ALL_GATHER, layer, "dp"), fabric.time(Collective.REDUCE_SCATTER, layer, "dp")
         fwd, bwd = stage.compute.forward / n, (stage.compute.backward + stage.compute.recompute) / n
         per_mb = n * (prefetched(g, fwd) + prefetched(g + r, bwd))
         rest = stage_params(model, plan, 0) * e - n * layer  # embedding and head: gathered first, reduced last
         per_mb += fabric.time(Collective.ALL_GATHER, rest, "dp") + fabric.time(Collective.REDUCE_SCATTER, rest, "dp")
         return plan.microbatches * per_mb
-    blocking = 2 * sum(gather)
-    return plan.microbatches * blocking + (plan.microbatches - 1) * sum(scatter) + exposed_sync(scatter, bwd_chain)
+    pieces, bwd_chain = _param_chain(model, plan, fabric.cluster)
+    gather = sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces)
+    scatter = [_collectives(Collective.REDUCE_SCATTER, k, e, plan, fabric) for k in pieces]
+    return plan.microbatches * 2 * gather + (plan.microbatches - 1) * sum(scatter) + exposed_sync(scatter, bwd_chain)
 
 
 def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> float:
