@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autopar.errors import ShardingError
 from autopar.cost_models.resharding import nested_inside, producer_grad_spec
 from autopar.passes.rules.attention import zigzag_axes
+from autopar.passes.rules.experts import dispatch_axes
+from autopar.passes.rules.indexing import routed_axes
 from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
@@ -183,7 +185,8 @@ class GradSync:
     group and dtype per bucket. Backward leaves each gradient a local partial
     sum (see ``param``); when every gradient of
     a bucket has been accumulated, the bucket is flattened and all-reduced
-    asynchronously while backward goes on, and at the end of backward (an
+    asynchronously while backward goes on (one collective over all of its
+    mesh axes: their flattened group, ``_group_over``), and at the end of backward (an
     autograd engine callback) every bucket is waited on and written back to
     ``.grad``. Buckets launch in index order on every rank, so their
     collectives match whatever order autograd finishes gradients in.
@@ -207,6 +210,7 @@ class GradSync:
         if local in self.params:  # tied weights: one tensor, one gradient
             return
         self.params[local] = axes
+        _group_over(self.mesh, tuple(sorted(axes)))  # made in forward, on every rank alike: backward reduces over it
         if getattr(local, "_autopar_sync_hooks", None) is None:
             ref = weakref.ref(local)
             local._autopar_sync_hooks = (local.register_hook(functools.partial(_arriving, ref)),
@@ -243,7 +247,7 @@ class GradSync:
     def _launch(self, bucket) -> None:
         grads = [m.grad.reshape(-1) if m in self.ready else m.new_zeros(m.numel()) for m in bucket.members]
         bucket.flat = torch.cat(grads) if len(grads) > 1 else grads[0]  # one contiguous gradient: in place
-        bucket.work = torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(bucket.axes[0]),
+        bucket.work = torch.distributed.all_reduce(bucket.flat, group=_group_over(self.mesh, tuple(sorted(bucket.axes))),
                                                    async_op=True)
         self.launched += 1
 
@@ -253,8 +257,6 @@ class GradSync:
             self._launch(self.buckets[self.launched])
         for bucket in self.buckets:
             bucket.work.wait()
-            for axis in bucket.axes[1:]:
-                torch.distributed.all_reduce(bucket.flat, group=self.mesh.get_group(axis))
             offset = 0
             for m in bucket.members:
                 n = m.numel()
@@ -515,6 +517,26 @@ class _SumOver(torch.autograd.Function):
         return _all_reduce(grad.clone(), ctx.mesh, ctx.axes), None, None
 
 
+class _GatherOver(torch.autograd.Function):
+    """Every rank's ``t`` stacked (one all-gather over ``group``); in
+    backward each rank's share of the gradient, summed over the ranks that
+    read it (one reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        n = torch.distributed.get_world_size(group)
+        out = t.new_empty(n * t.numel())
+        torch.distributed.all_gather_into_tensor(out, t.reshape(-1), group=group)
+        return out.view(n, *t.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = grad.new_empty(grad[0].numel())
+        torch.distributed.reduce_scatter_tensor(mine, grad.reshape(-1), group=ctx.group)
+        return mine.view(grad.shape[1:]), None
+
+
 def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
     """Sum of ``t`` over the ranks of mesh ``axes``, with autograd."""
     return _SumOver.apply(t, mesh, tuple(axes))
@@ -628,18 +650,36 @@ class _GatherBucket(torch.autograd.Function):
 
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
 
+PREFETCH_NOTES = 2
+"""How many regathered parameters backward gathers ahead of their use (each
+a full copy alive early): two, since backward unpacks an op's saved tensors
+in about the reverse of the order forward saved them, not exactly (a linear
+layer's, for one, in pairs swapped)."""
+
+
 class _Regather:
     """The full copies of regathered parameters that are alive in this forward,
     by storage. An op that would save one for backward saves (parameter shard,
     placements, view geometry) instead, and unpacking gathers it again: the
     all-gather runs once more in backward, identically on every rank, and the
     full parameter is freed after its last forward use (ZeRO stage 3;
-    Rajbhandari et al. 2020, sec. 5.3)."""
+    Rajbhandari et al. 2020, sec. 5.3). Backward unpacks them in about the
+    reverse of the order forward saved them, so each unpack also starts the
+    gathers of the ones saved before it (``PREFETCH_NOTES``; asynchronously,
+    where each is one all-gather: ``_gather_ahead``), as FSDP prefetches the
+    next module's parameters in backward: those gathers run while backward
+    computes."""
 
     def __init__(self):
         self.live: dict = {}  # storage pointer -> (weakref to the full local tensor, shard, mesh, move)
+        self.order: list = []  # this forward's notes, in the order saved
+        self.ahead: dict = {}  # note index -> a gather started ahead: call it for the full tensor
+        self.done: set = set()  # the notes this backward has unpacked
+        self.unpacking = False
 
     def add(self, source: torch.Tensor, gathered: torch.Tensor, mesh, move) -> None:
+        if self.unpacking:  # a new forward: the last backward's notes and prefetches are done with
+            self.order, self.ahead, self.done, self.unpacking = [], {}, set(), False
         self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
         self.live[gathered.untyped_storage().data_ptr()] = (weakref.ref(gathered), source, mesh, move)
 
@@ -659,14 +699,26 @@ class _Regather:
         if entry is None:
             return t
         _, source, mesh, move = entry
-        return _Note(source, mesh, move, t.size(), t.stride(), t.storage_offset())
+        note = _Note(source, mesh, move, t.size(), t.stride(), t.storage_offset(), len(self.order))
+        self.order.append(note)
+        return note
 
-    @staticmethod
-    def unpack(saved):
+    def unpack(self, saved):
         if not isinstance(saved, _Note):
             return saved
+        self.unpacking = True
+        if saved.index in self.done:  # another backward through the same graph (retain_graph)
+            self.done = set()
+        self.done.add(saved.index)
         with torch.no_grad():
-            full = _redistribute(saved.source.detach(), saved.mesh, *saved.move, True)  # parameters divide
+            started = self.ahead.pop(saved.index, None)
+            full = started() if started is not None else _gather_ahead(saved)()
+            # the next to come: the latest notes saved before this one and not unpacked yet (two:
+            # backward reaches an op's saved tensors in about, not exactly, the reverse order)
+            coming = [i for i in range(min(saved.index, len(self.order)) - 1, -1, -1) if i not in self.done]
+            for i in coming[:PREFETCH_NOTES]:
+                if i not in self.ahead:
+                    self.ahead[i] = _gather_ahead(self.order[i])
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
@@ -678,6 +730,31 @@ class _Note:
     size: torch.Size
     stride: tuple
     offset: int
+    index: int = 0
+
+
+def _gather_ahead(note: _Note):
+    """Start gathering a saved parameter's full tensor; returns the call
+    that finishes it. A gather over one mesh axis of a dim no other axis
+    splits runs as one asynchronous all-gather; any other move runs when
+    called (``_redistribute``)."""
+    src, dst = note.move
+    changed = [a for a, (p, q) in enumerate(zip(src, dst)) if p != q]
+    a = changed[0] if len(changed) == 1 else None
+    if a is None or not (isinstance(src[a], Shard) and isinstance(dst[a], Replicate)) or any(
+            isinstance(p, Shard) and p.dim == src[a].dim for b, p in enumerate(src) if b != a) \
+            or any(type(c) is not int for c in note.mesh.get_coordinate()):
+        return lambda: _redistribute(note.source.detach(), note.mesh, *note.move, True)  # parameters divide
+    shard, d, n = note.source.detach(), src[a].dim, note.mesh.size(a)
+    out = shard.new_empty(n * shard.numel())
+    work = torch.distributed.all_gather_into_tensor(out, shard.reshape(-1), group=note.mesh.get_group(a),
+                                                    async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        pieces = out.view(n, *shard.shape)
+        return pieces.reshape(n * shard.shape[0], *shard.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d)
+    return finish
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -959,10 +1036,12 @@ def _batch_norm(fn, mesh, st, args, kwargs):
     """Training-mode batch norm on split inputs.
 
     The batch (or a spatial dim) split: synchronised statistics (as
-    torch.nn.SyncBatchNorm): the per-channel mean and then the variance of
-    the centred input are all-reduced over the split axes (two all-reduces of
-    C values, inside the op), so every rank normalises with the statistics of
-    the global batch. The channel split: the op on the rank's channels.
+    torch.nn.SyncBatchNorm): each rank's per-channel mean and sum of squared
+    deviations are all-gathered over the split axes (one collective of 2C
+    values a rank, inside the op; one reduce-scatter of their gradients in
+    backward) and combined exactly (the pairwise update of Chan, Golub and
+    LeVeque 1979), so every rank normalises with the statistics of the
+    global batch. The channel split: the op on the rank's channels.
 
     Running statistics (the rule passes the buffers whole) are updated as one
     device would, momentum-weighted with the batch mean and unbiased
@@ -985,12 +1064,16 @@ def _batch_norm(fn, mesh, st, args, kwargs):
         old = [_redistribute(r, mesh, whole, stats_placements).clone() for r in running]
     if split:
         dims = [d for d in range(x.ndim) if d != 1]
-        count = math.prod(x.shape[d] for d in dims) * math.prod(mesh.size(axis) for axis in split)
+        local = math.prod(x.shape[d] for d in dims)  # every rank's count: the shards divide evenly
         shape = [1, x.shape[1]] + [1] * (x.ndim - 2)
-        mean = _reduce_over(x.sum(dims), mesh, split) / count
-        centred = x - mean.view(shape)
-        var = _reduce_over((centred * centred).sum(dims), mesh, split) / count
-        out = centred * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
+        mine = x.mean(dims)
+        stats = _GatherOver.apply(torch.stack([mine, ((x - mine.view(shape)) ** 2).sum(dims)]),
+                                  _group_over(mesh, tuple(split)))
+        means, squares = stats[:, 0], stats[:, 1]  # every rank's mean and sum of squared deviations
+        count = local * stats.shape[0]
+        mean = means.mean(0)
+        var = (squares.sum(0) + local * ((means - mean) ** 2).sum(0)) / count  # Chan et al.'s pairwise update
+        out = (x - mean.view(shape)) * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
         if a.get("weight") is not None:
             out = out * a["weight"].view(shape)
         if a.get("bias") is not None:
@@ -1032,6 +1115,9 @@ def _grouped_mm(fn, mesh, st, args, kwargs):
     x, w, *rest = args
     kwargs = dict(kwargs)
     offs = rest.pop(0) if rest else kwargs.pop("offs", None)
+    axes = dispatch_axes(st.inputs[0], st.inputs[1], tuple(mesh.shape))
+    if axes and offs is not None:
+        return _expert_parallel(fn, mesh, st, axes, x, w, offs, rest, kwargs)
     row, rows = _shard_index(mesh, st.inputs[0], 0)
     expert, experts = _shard_index(mesh, st.inputs[1], 0)
     if offs is None or (rows == 1 and experts == 1):  # a batched (3-D) one splits as a bmm
@@ -1048,6 +1134,85 @@ def _grouped_mm(fn, mesh, st, args, kwargs):
     out = fn(first, w, (bounds[1:] - lo).to(offs.dtype), *rest, **kwargs)
     out = torch.where(mine, out, torch.zeros_like(out))
     return out.index_select(0, (positions - lo) % n)
+
+
+def _expert_parallel(fn, mesh, st, axes, x, w, offs, rest, kwargs):
+    """A grouped matmul with its sorted rows and its experts split over the
+    same ``axes`` (passes/rules/experts.py, dispatch_axes): every rank sends
+    each of its rows to the rank holding that row's expert (the whole
+    offsets say which, on every rank alike, so no sizes are exchanged),
+    which runs its experts on the rows it gets, in sorted order, and sends
+    the results back; rows of no expert stay zero. Two all-to-alls
+    (``_Route``), each with its backward."""
+    group = _group_over(mesh, axes)
+    me, n = _shard_index(mesh, st.inputs[0], 0)
+    local, experts = x.shape[0], w.shape[0]
+    expert = torch.searchsorted(offs, torch.arange(local * n, device=offs.device, dtype=offs.dtype), right=True)
+    owner = torch.where(expert < experts * n, expert // experts, n).view(n, local)  # n: no expert's row
+    ranks = torch.arange(n, device=owner.device)
+    counts = (owner[me].unsqueeze(0) == ranks.unsqueeze(1)).sum(1).tolist()
+    send = torch.argsort(owner[me], stable=True)[:sum(counts)]  # my rows by the rank they go to
+    arriving = (owner == me).sum(1).tolist()
+    rows = _Route.apply(x, group, send, counts, arriving)  # my experts' rows, in sorted order
+    base = offs[me * experts - 1] if me > 0 else offs.new_zeros(())
+    out = fn(rows, w, (offs[me * experts:(me + 1) * experts] - base).to(offs.dtype), *rest, **kwargs)
+    back = _Route.apply(out, group, torch.arange(out.shape[0], device=out.device), arriving, counts)
+    return out.new_zeros((local, *out.shape[1:])).index_copy(0, send, back)
+
+
+class _Route(torch.autograd.Function):
+    """Rows (dim 0) sent between the ranks of ``group`` by one all-to-all:
+    ``send`` the local rows to send, grouped by destination in rank order,
+    ``counts`` how many go to each rank, ``arriving`` how many come from
+    each; returns the rows received, in rank order. In backward their
+    gradients go back where the rows came from and add into them."""
+
+    @staticmethod
+    def forward(ctx, rows, group, send, counts, arriving):
+        ctx.group, ctx.send, ctx.counts, ctx.arriving, ctx.n = group, send, counts, arriving, rows.shape[0]
+        out = rows.new_empty((sum(arriving), *rows.shape[1:]))
+        torch.distributed.all_to_all_single(out, rows.index_select(0, send), arriving, counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.counts), *grad.shape[1:]))
+        torch.distributed.all_to_all_single(back, grad.contiguous(), ctx.counts, ctx.arriving, group=ctx.group)
+        return grad.new_zeros((ctx.n, *grad.shape[1:])).index_add_(0, ctx.send, back), None, None, None, None
+
+
+def _index(fn, mesh, st, args, kwargs):
+    """Advanced indexing ``x[..., positions, ...]`` with x split along the
+    indexed dim and the positions whole (passes/rules/indexing.py,
+    routed_axes): the result is split along dim j of the positions, and
+    each rank fetches the rows of its chunk of positions from the ranks
+    that hold them (one all-to-all, ``_Route``; every rank knows from the
+    whole positions what each other needs from it). Otherwise the op runs
+    as it is."""
+    x, indices = args[0], list(args[1])
+    axes = routed_axes(st.inputs[0], indices, tuple(mesh.shape))
+    if not axes:
+        return fn(*args, **kwargs)
+    d = next(k for k, t in enumerate(indices) if t is not None)
+    positions = indices[d]
+    j = st.output[axes[0]].dim - d
+    group = _group_over(mesh, axes)
+    me, n = _shard_index(mesh, st.inputs[0], d)
+    held = x.shape[d]
+    whole = torch.where(positions < 0, positions + held * n, positions).movedim(j, 0)
+    chunk = whole.shape[0] // n
+    wanted = whole.reshape(n, -1)  # rank r's positions, in order
+    owner = wanted // held
+    counts = (owner == me).sum(1).tolist()
+    send = wanted[owner == me] - me * held  # my rows each rank wants, by rank
+    arriving = torch.bincount(owner[me], minlength=n).tolist()
+    got = _Route.apply(x.movedim(d, 0), group, send, counts, arriving)
+    order = torch.argsort(owner[me], stable=True)  # which of my positions each arriving row is
+    rows = got.index_select(0, torch.argsort(order))
+    rest = [x.shape[k] for k in range(x.ndim) if k != d]
+    out = rows.reshape(chunk, *whole.shape[1:], *rest).movedim(0, j)  # (positions' dims, x's other dims)
+    k = positions.ndim
+    return out.permute(*range(k, k + d), *range(k), *range(k + d, out.ndim))
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -1091,8 +1256,13 @@ def _group_over(mesh, axes: tuple):
     (made once per mesh, by every rank at the same point of the program)."""
     if len(axes) == 1:
         return mesh.get_group(axes[0])
-    key = (id(mesh), axes)
+    if len(axes) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
+        return torch.distributed.group.WORLD
+    key = (mesh, axes)
     if key not in _GROUPS:
+        if not mesh.mesh_dim_names:
+            raise ShardingError(f"a collective over mesh axes {axes} of a mesh without axis names: "
+                                "name the mesh's axes (init_device_mesh(..., mesh_dim_names=...))")
         names = tuple(mesh.mesh_dim_names[a] for a in axes)
         _GROUPS[key] = mesh[names]._flatten("_".join(names)).get_group()
     return _GROUPS[key]
@@ -1231,6 +1401,8 @@ LOCAL_IMPLS = {
     torch.ops.aten.batch_norm.default: _batch_norm,
     torch.ops.aten.affine_grid_generator.default: _affine_grid,
     torch.ops.aten._grouped_mm.default: _grouped_mm,
+    torch.ops.aten.index.Tensor: _index,
+    torch.ops.aten._unsafe_index.Tensor: _index,
     torch.ops.aten.scaled_dot_product_attention.default: _attention,
     "transformers.grouped_mm_fallback.default": _grouped_mm,  # a library's op, by name (passes/rules/experts.py)
 }

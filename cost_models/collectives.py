@@ -138,6 +138,12 @@ def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
     return axis.call_overhead + _links_time(kind, nbytes, axis, algorithm)
 
 
+def launch_time(kind: Collective, axis: AxisLinks) -> float:
+    """Seconds of a collective that moves (almost) nothing, one byte: its
+    call overhead and link latencies, what every call pays whatever it carries."""
+    return collective_time(kind, 1.0, axis)
+
+
 def _links_time(kind: Collective, nbytes: float, axis: AxisLinks, algorithm: Algorithm) -> float:
     if axis.inter == 1:
         intra_algorithm = Algorithm.RING if algorithm is Algorithm.BEST else algorithm

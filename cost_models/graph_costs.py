@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import Collective, axis_links, collective_time
+from autopar.cost_models.collectives import Collective, axis_links, collective_time, launch_time
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.kernels import FLASH_CAUSAL_WORK, Kernel, flash_attention, matmul_op, stream
 from autopar.cost_models.optimizer import (  # noqa: F401  (OPTIMIZER_PASSES, OPTIMIZER_STATES: re-exported)
@@ -24,6 +24,8 @@ from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, 
 from autopar.ir import Graph, Node, NodeKind
 from autopar.passes.rules import get_rule
 from autopar.passes.rules.attention import zigzag_axes
+from autopar.passes.rules.experts import GROUPED_MM_FALLBACK, dispatch_axes
+from autopar.passes.rules.indexing import routed_axes
 from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor
 
@@ -224,7 +226,9 @@ def attention_share(node: Node, s: Strategy, mesh_shape: tuple) -> float:
 def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
     """(forward moves, backward moves) a strategy runs inside its op, which
     the plan lists with the op's node: batch norm's synchronised statistics
-    (``_batch_norm_moves``), and causal attention balanced over some
+    (``_batch_norm_moves``), rows fetched by advanced indexing and sent to
+    their experts (``_routed_index_moves``, ``_expert_parallel_moves``), and
+    causal attention balanced over some
     axes (zigzag_axes) exchanges its query halves before the kernel and its
     output halves after it (an all-to-all over those axes each), in backward
     their gradients the other way. ``nbytes`` is the buffer over the group,
@@ -235,6 +239,10 @@ def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple
         return [], []
     if node.target is _aten.batch_norm.default:
         return _batch_norm_moves(node, s, ctx, backward)
+    if node.target in (_aten.index.Tensor, _aten._unsafe_index.Tensor):
+        return _routed_index_moves(node, s, ctx, backward)
+    if node.target is _aten._grouped_mm.default or str(node.target) == GROUPED_MM_FALLBACK:
+        return _expert_parallel_moves(node, s, ctx, backward)
     if not _causal(node):
         return [], []
     seq, cp, axes = _context_split(node, s, ctx.mesh_shape)
@@ -248,12 +256,52 @@ def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple
     return moves, (moves[::-1] if backward else [])
 
 
+def _over(axes: tuple, ctx: CostContext, price) -> tuple[float, int]:
+    """(seconds, the axis whose link is slowest) of a collective over ``axes``
+    priced by ``price(link)`` on each of their links."""
+    return max((price(ctx.links[a]), a) for a in axes)
+
+
+def _routed_index_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
+    """Advanced indexing that fetches rows from other ranks (passes/rules/
+    indexing.py, routed_axes): one all-to-all of the result's rows, which
+    for positions spread over the whole tensor come (n - 1) / n from other
+    ranks, and in backward their gradients back."""
+    axes = routed_axes(s.inputs[0], list(node.info.arg(1, "indices")), ctx.mesh_shape)
+    if not axes:
+        return [], []
+    n = math.prod(ctx.mesh_shape[a] for a in axes)
+    local = ctx.tensor_bytes(node.info.outputs[0]) / shard_factor(s.output, ctx.mesh_shape)
+    seconds, slowest = _over(axes, ctx, lambda link: collective_time(Collective.ALL_TO_ALL, local, link))
+    move = Move(Collective.ALL_TO_ALL, slowest, local * n, seconds, axes if len(axes) > 1 else ())
+    return [move], ([move] if backward and node.info.inputs[0].dtype.is_floating_point else [])
+
+
+def _expert_parallel_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
+    """An expert-parallel grouped matmul (passes/rules/experts.py,
+    dispatch_axes): its rows to their experts' ranks and the results back,
+    two all-to-alls, and two in backward. How many rows move depends on the
+    routing: under balanced routing a rank's piece of the sorted rows is its
+    own experts' rows and none do (the token exchange proper is the
+    indexing that sorts them, ``_routed_index_moves``), so each is priced at
+    its launch (``launch_time``); imbalance adds bytes and compute on the
+    busiest rank that no plan can know."""
+    if len(node.info.inputs) < 3 or node.info.inputs[2].ndim != 1:  # a batched matmul: no offsets
+        return [], []
+    axes = dispatch_axes(s.inputs[0], s.inputs[1], ctx.mesh_shape)
+    if not axes:
+        return [], []
+    seconds, slowest = _over(axes, ctx, lambda link: launch_time(Collective.ALL_TO_ALL, link))
+    pair = [Move(Collective.ALL_TO_ALL, slowest, 0.0, seconds, axes if len(axes) > 1 else ())] * 2
+    return pair, (pair if backward else [])
+
+
 def _batch_norm_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
     """Training-mode batch norm over a split batch (or spatial dim):
-    synchronised statistics, the per-channel mean and then the variance
-    all-reduced over the splitting axes (autopar/spmd.py, _batch_norm),
-    their gradients all-reduced in backward; one collective over all the
-    mesh's axes where they all split it, one per axis otherwise."""
+    synchronised statistics, every rank's per-channel mean and sum of
+    squared deviations all-gathered over the splitting axes (autopar/
+    spmd.py, _batch_norm), their gradients reduce-scattered in backward: one
+    collective each way, over the flattening of those axes."""
     if not node.info.arg(5, "training", False):
         return [], []
     x = node.info.inputs[0]
@@ -262,13 +310,13 @@ def _batch_norm_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool)
     if not axes:
         return [], []
     channels = math.prod(ctx.mesh_shape[a] for a, p in enumerate(s.inputs[0]) if isinstance(p, Shard) and p.dim == 1)
-    nbytes = x.shape[1] * x.dtype.itemsize / channels  # this rank's channels' statistics
-    groups = [axes] if len(axes) == len(ctx.mesh_shape) else [(a,) for a in axes]
+    n = math.prod(ctx.mesh_shape[a] for a in axes)
+    nbytes = n * 2 * x.shape[1] * x.dtype.itemsize / channels  # the gathered statistics of this rank's channels
     moves = []
-    for group in groups:
-        seconds, slowest = max((collective_time(Collective.ALL_REDUCE, nbytes, ctx.links[a]), a) for a in group)
-        moves += [Move(Collective.ALL_REDUCE, slowest, nbytes, seconds, group if len(group) > 1 else ())] * 2
-    return moves, (moves if backward else [])
+    for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)[: 2 if backward else 1]:
+        seconds, slowest = _over(axes, ctx, lambda link: collective_time(kind, nbytes, link))
+        moves.append(Move(kind, slowest, nbytes, seconds, axes if len(axes) > 1 else ()))
+    return moves[:1], moves[1:]
 
 
 def op_name(node: Node) -> str:

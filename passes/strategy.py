@@ -121,6 +121,11 @@ class Row:
     items: tuple | None = None
     """A placement per output, for an op whose outputs are placed differently
     (``Strategy.items``); ``output`` is then the first of them."""
+    routes: bool = False
+    """The op's local implementation moves rows between the ranks of the
+    axes this row is on (an all-to-all inside the op, priced by
+    graph_costs.op_moves): on other mesh axes it combines only with itself
+    (its group is then their flattening) or with the replicate row."""
 
 
 def row(output: Placement, *inputs: Placement) -> Row:
@@ -162,6 +167,9 @@ def expand_to_mesh(
         per_axis.append(rows if size > 1 else [r for r in rows if _is_replicate(r)] or rows[:1])
     out = []
     for combo in itertools.product(*per_axis):
+        routing = {r for r in combo if r.routes}
+        if routing and (len(routing) > 1 or any(not r.routes and not _is_replicate(r) for r in combo)):
+            continue
         inputs = tuple(tuple(r.inputs[i] for r in combo) for i in range(len(combo[0].inputs)))
         output = tuple(r.output for r in combo)
         items = tuple(tuple(r.items[k] if r.items else r.output for r in combo) for k in range(len(output_shapes)))

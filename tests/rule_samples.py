@@ -60,6 +60,10 @@ SAMPLES = [
     call(aten.index.Tensor, X, [idx(3, high=4), idx(3, high=8, seed=1)], name="two"),
     call(aten.index.Tensor, X, [None, None, idx(2, 2, high=12)], name="last"),
     call(aten.index.Tensor, X, [idx(3, high=4), None, idx(3, high=12, seed=1)], name="apart"),
+    # rows fetched by position, as a mixture of experts sorts its tokens (x split by rows: routed)
+    call(aten.index.Tensor, x(8, 6), [idx(12, high=8)], name="rows"),
+    call(aten.index.Tensor, X, [None, torch.tensor([[1, -1, 7], [0, 3, 5], [6, 2, -8], [4, 4, 0]])],
+         name="rows_2d"),
     call(aten._log_softmax.default, X, -1, False),
     call(aten._softmax.default, X, 1, False),
     call(aten._to_copy.default, X, dtype=torch.float32),

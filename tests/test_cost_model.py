@@ -272,16 +272,16 @@ def test_causal_attention_prices_the_busiest_ranks_share(seq, mesh, causal, shar
 
 
 @pytest.mark.parametrize("mesh,split,collectives", [
-    ((4,), "S(0)", [(("x",), 4)]),                 # the batch split: mean and variance, and their gradients
-    ((2, 2), "S(0)S(2)", [(("x", "y"), 4)]),       # every axis splits it: one collective over the mesh
-    ((2, 2), "S(0)S(1)", [(("x",), 4)]),           # channels split over y: that axis needs none
+    ((4,), "S(0)", [("x",)]),                      # the batch split: the statistics gathered, their gradients back
+    ((2, 2), "S(0)S(2)", [("x", "y")]),            # both axes split it: one collective over both
+    ((2, 2), "S(0)S(1)", [("x",)]),                # channels split over y: that axis needs none
     ((4,), "S(1)", []),                            # channels only: each rank normalises its own
 ])
 def test_batch_norm_over_a_split_batch_syncs_its_statistics(mesh, split, collectives):
-    """The program all-reduces a batch norm's per-channel mean and variance
-    over the axes that split its batch or spatial dims (spmd._batch_norm),
-    and their gradients in backward: collectives of the op itself, priced
-    and listed with it (graph_costs.op_moves)."""
+    """The program all-gathers a batch norm's per-channel statistics over
+    the axes that split its batch or spatial dims (spmd._batch_norm), and
+    reduce-scatters their gradients in backward: collectives of the op
+    itself, priced and listed with it (graph_costs.op_moves)."""
     from autopar.cost_models.graph_costs import CostContext, op_moves
     from autopar.passes.enumerate import enumerate_strategies
 
@@ -291,12 +291,48 @@ def test_batch_norm_over_a_split_batch_syncs_its_statistics(mesh, split, collect
     (s,) = [s for s in strategies[node.name] if "".join(map(str, s.inputs[0])) == split]
     names = ("x", "y")
     fwd, bwd = op_moves(node, s, CostContext.make(mesh, A100), True)
-    got = {}
-    for m in fwd + bwd:
-        assert m.kind is Collective.ALL_REDUCE and m.seconds > 0
-        key = tuple(names[a] for a in (m.axes or (m.axis,)))
-        got[key] = got.get(key, 0) + 1
-    assert sorted(got.items()) == collectives
+    assert [m.kind for m in fwd] + [m.kind for m in bwd] == \
+        ([Collective.ALL_GATHER, Collective.REDUCE_SCATTER] if collectives else [])
+    assert all(m.seconds > 0 and tuple(names[a] for a in (m.axes or (m.axis,))) == collectives[0] for m in fwd + bwd)
+
+
+def test_rows_fetched_from_other_ranks_and_sent_to_experts_are_priced_with_their_ops():
+    """Advanced indexing with x split by the rows it is indexed by fetches
+    its positions' rows by one all-to-all ((n-1)/n of them from other ranks,
+    gradients back in backward); an expert-parallel grouped matmul sends
+    its rows to their experts and back, which under balanced routing moves
+    nothing but costs each all-to-all's launch (graph_costs.op_moves)."""
+    from autopar.cost_models.collectives import launch_time
+    from autopar.cost_models.graph_costs import CostContext, op_moves
+    from autopar.passes.enumerate import enumerate_strategies
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 8, 16, dtype=torch.bfloat16))  # traced in bf16 (meta)
+
+        def forward(self, x, order, offs):
+            return torch._grouped_mm(x[order], self.w, offs)
+
+    x, order = torch.randn(16, 8, dtype=torch.bfloat16), torch.randperm(16)
+    offs = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    graph = _captured(Experts(), x, order, offs, torch.randn(16, 16, dtype=torch.bfloat16))
+    strategies, _ = enumerate_strategies(graph, (4,))
+    ctx = CostContext.make((4,), A100)
+    (index,) = [n for n in graph.nodes.values() if n.op_name == "index.Tensor"]
+    (routed,) = [s for s in strategies[index.name] if str(s) == "(S(0), R) -> S(0)"]
+    fwd, bwd = op_moves(index, routed, ctx, True)
+    local = 4 * 8 * 2  # each rank's 4 rows of 8 bfloat16s
+    assert [(m.kind, m.nbytes) for m in fwd + bwd] == [(Collective.ALL_TO_ALL, 4 * local)] * 2
+    assert fwd[0].seconds == collective_time(Collective.ALL_TO_ALL, local, ctx.links[0])
+    assert op_moves(index, next(s for s in strategies[index.name] if str(s) == "(R, S(0)) -> S(0)"), ctx, True) \
+        == ([], [])  # x whole: each rank looks up its own chunk of positions
+    (mm,) = [n for n in graph.nodes.values() if n.op_name == "_grouped_mm"]
+    (parallel,) = [s for s in strategies[mm.name] if str(s) == "(S(0), S(0), R) -> S(0)"]
+    fwd, bwd = op_moves(mm, parallel, ctx, True)
+    assert len(fwd) == len(bwd) == 2
+    assert all(m.seconds == launch_time(Collective.ALL_TO_ALL, ctx.links[0]) for m in fwd + bwd)
+    assert op_moves(mm, next(s for s in strategies[mm.name] if str(s) == "(R, S(0), R) -> P"), ctx, True) == ([], [])
 
 
 def _captured_with(model, inputs, loss_fn):

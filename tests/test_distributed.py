@@ -290,20 +290,25 @@ def test_hugging_face_experts_split_train_like_one_device(tmp_path):
     """Expert parallelism on transformers' own Mixtral and DeepSeek-V3 code
     (tests/fixtures/moe_ranks.py, one launch, mesh 4): every expert weight
     held split over its 4 experts and every grouped matmul running its rank's
-    experts (spmd._grouped_mm), the other nodes as solved. Each trains like
-    one device, and the plans really split the experts."""
+    experts (spmd._grouped_mm), on gathered tokens or on the rank's sorted
+    rows sent to their experts' ranks by all-to-alls (spmd._expert_parallel),
+    the other nodes as solved around them. Each trains like one device, and
+    the plans really split the experts as pinned."""
     out = tmp_path / "moe.json"
     proc = torchrun(["tests/fixtures/moe_ranks.py", "tests/fixtures/fastnet.json", str(out)], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
     reports = json.loads(out.read_text())
-    assert [r["source"] for r in reports] == ["tests/fixtures/hf.py:mixtral", "tests/fixtures/hf.py:deepseek_v3"]
+    mixtral, deepseek = "tests/fixtures/hf.py:mixtral", "tests/fixtures/hf.py:deepseek_v3"
+    assert [(r["source"], r["split"]) for r in reports] == [
+        (mixtral, "gathered"), (mixtral, "all-to-all"), (deepseek, "gathered"), (deepseek, "all-to-all")]
     assert_agrees(reports, drift=True)
-    for r, layers in zip(reports, (2, 1)):
+    for r, layers in zip(reports, (2, 2, 1, 1)):
         experts = {k: v for k, v in r["plan"]["parameters"].items() if k.endswith(("gate_up_proj", "down_proj"))}
         assert len(experts) == 2 * layers and all(v == ["S(0)"] for v in experts.values()), r["label"]
         grouped = {k: v for k, v in r["plan"]["strategies"].items() if k.startswith("grouped_mm_fallback")}
         assert len(grouped) == 2 * layers, r["label"]  # the up and the down projection of each layer
-        assert set(grouped.values()) == {"(R, S(0), R) -> P"}, r["label"]
+        want = "(R, S(0), R) -> P" if r["split"] == "gathered" else "(S(0), S(0), R) -> S(0)"
+        assert set(grouped.values()) == {want}, r["label"]
 
 
 def test_context_parallel_attention_trains_like_one_device(tmp_path):
@@ -317,15 +322,16 @@ def test_context_parallel_attention_trains_like_one_device(tmp_path):
     (examples/gpt.py: the scores' product split by its queries), solved
     around the pinned attention (and on 2x2 also random). Each trains like
     one device, and its attention is the split it was given. Before the
-    models, the attention rows the rule tests cannot run rank by rank
-    (their ranks exchange halves) run on the real ranks, each exact."""
+    models, the rule rows the rule tests cannot run rank by rank (their
+    ranks exchange data inside the op: balanced attention, rows fetched by
+    indexing, expert parallelism) run on the real ranks, each exact."""
     from test_rules import real_rank_cases
 
     out = tmp_path / "cp.json"
     proc = torchrun(["tests/fixtures/cp_ranks.py", "tests/fixtures/fastnet.json", str(out), "4,2x2"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
     got = json.loads(out.read_text())
-    # the attention rows the rule tests leave to real ranks (balanced causal chunks), each exact
+    # the rows the rule tests leave to real ranks (balanced attention, routed indexing, experts), each exact
     want = [(m, sample.id, str(st)) for m, shape in (("4", (4,)), ("2x2", (2, 2))) for sample, st in real_rank_cases(shape)]
     assert [(c["mesh"], c["sample"], c["strategy"]) for c in got["ops"]] == want and len(want) >= 4
     assert all(not c["problems"] for c in got["ops"]), [c for c in got["ops"] if c["problems"]]
@@ -403,7 +409,8 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     back without its all-reduce waited for and reads as one device's. Then a
     GPT's parameters held sharded over the first axis of 2x2 (ZeRO-2 and
     ZeRO-3): gathered in buckets (one all-gather for all ZeRO-2 parameters,
-    one per module for ZeRO-3), their gradients reduce-scattered per bucket,
+    one per module for ZeRO-3; ZeRO-3's gathers in backward started ahead of
+    their use), their gradients reduce-scattered per bucket,
     equal one device's; and held sharded over both axes on one dim, gathered
     over both in one bucket (an all-gather per axis), on two clusters: one
     where the blocks split their work over both axes (the gradients
@@ -428,7 +435,11 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     zero2, zero3, both, whole = gathers[4:]
     assert len(zero2) == 8 and min(zero2) > 2, lines[4]  # every forward (a no_grad one too): one bucket
     assert len(zero3) > len(zero2) and min(zero3) >= 2, lines[5]  # a bucket per module
+    # ZeRO-3 in backward: every gather but each backward's first (8 backwards) started ahead of its use
+    regathered, ahead = (int(v) for v in lines[5].split("regathers ")[1].split(",")[0].split(" prefetched "))
+    assert regathered > 8 and ahead == regathered - 8, lines[5]
     # one bucket over both axes: two all-gathers per forward; its gradients summed, then taken whole
     assert len(both) == len(whole) == 16 and min(both) > 2 and min(whole) > 2, lines[6:]
     assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]
     assert "direct moves: 10 equal DTensor's" in proc.stdout
+    assert "flattened groups: 2 as numbered" in proc.stdout

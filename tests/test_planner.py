@@ -546,6 +546,27 @@ def test_experts_that_dominate_are_split(factory):
     assert experts and all(plan.parameters[n]["placements"] != ["R"] for n in experts), plan.parameters
 
 
+def test_many_tokens_take_expert_parallelism():
+    """With 1,024 tokens (batch 64) through Mixtral's dominant experts on 4
+    A100s, the planner runs a grouped matmul expert parallel: its expert
+    weight held split over its experts, each rank's sorted rows sent to their
+    experts' ranks by all-to-alls (passes/rules/experts.py, dispatch_axes),
+    which the plan lists with the op; with 128 tokens (the test above) their
+    launches cost more than gathering the tokens."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
+    import hf
+
+    model, inputs, loss_fn = hf.mixtral_experts(batch=64)
+    plan = autopar.compile(model, inputs, mesh="4", cluster="dgx-a100", loss_fn=loss_fn)
+    routed = [n for n in plan.nodes if n.op == "transformers.grouped_mm_fallback"
+              and n.strategy == "(S(0), S(0), R) -> S(0)"]
+    assert routed, [n.strategy for n in plan.nodes if n.op == "transformers.grouped_mm_fallback"]
+    assert any(plan.parameters[f]["placements"] == ["S(0)"] for f in plan.parameters if f.endswith("gate_up_proj"))
+    exchanges = [c for c in plan.collectives if c["node"] in {n.name for n in routed} and c["kind"] == "all_to_all"]
+    assert len(exchanges) == 4 * len(routed)  # rows out and results back, and their gradients
+
+
 def test_a_trailing_regather_pins_zero_3():
     """``parameter_placements`` pins a sharded parameter's ZeRO-2 strategy
     (gathered copies kept for backward) unless the pin ends in "regather"

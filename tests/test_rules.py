@@ -359,7 +359,7 @@ def local_impl_rank(case: dict, r: int, mesh) -> tuple:
     sample, strategy, ref_grads, local_in = case["sample"], case["strategy"], case["ref_grads"], case["local_in"]
     mine = {i: local_in[i][r].detach().requires_grad_() if i in ref_grads else local_in[i][r] for i in local_in}
     a, kw = pytree.tree_unflatten([mine.get(i, v) for i, v in enumerate(case["flat"])], case["spec"])
-    out = spmd.LOCAL_IMPLS[sample.target](sample.target, mesh,
+    out = spmd._local_impl(sample.target)(sample.target, mesh,
                                           spmd._strategy(str(strategy), len(case["mesh_shape"])), a, kw)
     grads = {}
     if ref_grads:
@@ -393,15 +393,24 @@ def communicates(sample: Sample, strategy, mesh_shape) -> bool:
     """Whether the op's local implementation exchanges data between ranks
     under this strategy, which a rank-by-rank check cannot run: causal
     attention whose sequence split runs balanced (passes/rules/attention.py,
-    zigzag_axes). tests/fixtures/cp_ranks.py checks these on real ranks,
-    with this module's case, run and comparison."""
+    zigzag_axes), advanced indexing that fetches rows from other ranks
+    (indexing.py, routed_axes) and expert-parallel grouped matmuls
+    (experts.py, dispatch_axes). tests/fixtures/cp_ranks.py checks these on
+    real ranks, with this module's case, run and comparison."""
     from autopar.passes.rules.attention import zigzag_axes
+    from autopar.passes.rules.experts import GROUPED_MM_FALLBACK, dispatch_axes
+    from autopar.passes.rules.indexing import routed_axes
 
-    if sample.target is not aten.scaled_dot_product_attention.default or not sample.kwargs.get("is_causal"):
+    target, mesh_shape = sample.target, tuple(mesh_shape)
+    if target in (aten.index.Tensor, aten._unsafe_index.Tensor):
+        return bool(routed_axes(strategy.inputs[0], list(sample.args[1]), mesh_shape))
+    if target is aten._grouped_mm.default or str(target) == GROUPED_MM_FALLBACK:
+        return len(sample.args) > 2 and bool(dispatch_axes(strategy.inputs[0], strategy.inputs[1], mesh_shape))
+    if target is not aten.scaled_dot_product_attention.default or not sample.kwargs.get("is_causal"):
         return False
     q, seq = sample.args[0], sample.args[0].ndim - 2
     local = local_shape(q.shape, strategy.inputs[0], mesh_shape)
-    return zigzag_axes(strategy.inputs[0], seq, local[seq], tuple(mesh_shape)) is not None
+    return zigzag_axes(strategy.inputs[0], seq, local[seq], mesh_shape) is not None
 
 
 def real_rank_cases(mesh_shape) -> list:
@@ -548,11 +557,17 @@ RULE_TABLE = [
     ("gather.default[short_index]", ["(S(0), S(0)) -> S(0)", "(S(2), S(2)) -> S(2)", "(R, R) -> R"]),
     ("scatter.src", ["(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)", "(R, R, R) -> R"]),
     ("index_select.default", ["(S(0), R) -> S(0)", "(S(2), R) -> S(2)", "(R, S(0)) -> S(1)", "(R, R) -> R"]),
-    # grouped matmuls: the sorted tokens, the experts (Partial: other experts' rows are zero), the features;
-    # the offsets whole. torch's kernel keeps K and N whole (16-byte strides).
-    ("transformers.grouped_mm_fallback.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P", "(R, S(2), R) -> S(1)",
+    # grouped matmuls: the sorted tokens, the experts (Partial: other experts' rows are zero), both (expert
+    # parallelism: rows sent to their experts' ranks), the features; the offsets whole. torch's kernel keeps
+    # K and N whole (16-byte strides).
+    ("transformers.grouped_mm_fallback.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P",
+                                                  "(S(0), S(0), R) -> S(0)", "(R, S(2), R) -> S(1)",
                                                   "(S(1), S(1), R) -> P", "(R, R, R) -> R"]),
-    ("_grouped_mm.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P", "(R, R, R) -> R"]),
+    ("_grouped_mm.default", ["(S(0), R, R) -> S(0)", "(R, S(0), R) -> P", "(S(0), S(0), R) -> S(0)",
+                             "(R, R, R) -> R"]),
+    # rows by position (6 columns do not split 4 ways): a Partial, the positions split (x whole), or x
+    # split by the rows it is indexed by (each rank fetching its positions' rows)
+    ("index.Tensor[rows]", ["(P, R) -> P", "(R, S(0)) -> S(0)", "(S(0), R) -> S(0)", "(R, R) -> R"]),
     ("_grouped_mm.default[batched]", ["(S(0), S(0)) -> S(0)", "(S(1), R) -> S(1)", "(R, R) -> R"]),
 ]
 

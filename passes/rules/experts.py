@@ -20,9 +20,18 @@ on CPU as on GPUs). The plain batched-experts form, a stacked weight
 Splitting the experts or the tokens needs the offsets relative to the
 rank's shard, which only its rank knows: autopar/spmd.py's ``_grouped_mm``
 runs those splits. The offsets themselves (E integers) stay whole.
+
+Expert parallelism splits both: each rank holds a contiguous piece of the
+sorted rows and its experts' weights, sends every row to the rank of its
+expert and gets the results back (two all-to-alls whose sizes every rank
+computes from the whole offsets). Under balanced routing a rank's piece of
+the sorted rows is its experts' rows and almost nothing moves; the token
+exchange proper happens where the tokens are sorted, an advanced-indexing
+op whose rule fetches rows from other ranks (indexing.routed_axes).
 """
 from __future__ import annotations
 
+from torch.distributed.tensor import Shard
 from torch.ops import aten
 
 from autopar.ir import OpInfo
@@ -42,11 +51,24 @@ def grouped_rows(info: OpInfo, features: bool) -> list[Row]:
         rows.append(Row(S(0), (S(0), R, R)))      # tokens: the offsets shifted to the shard's rows
     if w.shape[0] > 1:
         rows.append(Row(P, (R, S(0), R)))         # experts: own experts' rows, zeros elsewhere, summed
+    if x.shape[0] > 1 and w.shape[0] > 1:
+        # expert parallelism: each rank's rows sent to their experts' ranks and back (all-to-alls)
+        rows.append(Row(S(0), (S(0), S(0), R), routes=True))
     if features:
         rows.append(Row(S(1), (R, S(2), R)))      # output features
         rows.append(Row(P, (S(1), S(1), R)))      # the contracted dim: partial products
     rows.append(Row(R, (R, R, R)))
     return rows
+
+
+def dispatch_axes(x_spec: tuple, w_spec: tuple, mesh_shape: tuple) -> tuple:
+    """The mesh axes (of size > 1) over which a grouped matmul runs expert
+    parallel: the sorted rows and the experts both split (grouped_rows'
+    routed row): each rank sends its rows to the ranks of their experts,
+    which compute them and send them back (autopar/spmd.py, _grouped_mm;
+    graph_costs.op_moves prices the all-to-alls). Empty: no rows move."""
+    return tuple(a for a, (p, q) in enumerate(zip(x_spec, w_spec))
+                 if isinstance(p, Shard) and p.dim == 0 and isinstance(q, Shard) and q.dim == 0 and mesh_shape[a] > 1)
 
 
 @register(GROUPED_MM_FALLBACK, matmul=True)

@@ -5,6 +5,7 @@ whole wherever a split would need another rank's rows."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 from torch.ops import aten
 
 from autopar.ir import OpInfo
@@ -18,6 +19,10 @@ def index_rule(info: OpInfo):
     ``:``, elsewhere). The dims not indexed split and keep their place around
     the index's dims; the index tensors stay whole, as their values are global
     positions. Indexing is linear in x: a Partial x gives a Partial result.
+    With one index tensor, the positions may split (x whole: each rank
+    looks up its chunk of them), or x along the indexed dim: the result
+    splits along a dim of the positions, each rank's rows fetched from
+    their holders by an all-to-all inside the op (``routed_axes``).
     Index tensors on dims that are not adjacent (which moves their dims to
     the front) get the replicated row only."""
     x = info.inputs[0]
@@ -32,8 +37,26 @@ def index_rule(info: OpInfo):
             out = d if d < indexed[0] else d - len(indexed) + index_ndim
             rows.append(Row(S(out), (S(d),) + (R,) * n_idx))
         rows.append(Row(P, (P,) + (R,) * n_idx))
+        if len(indexed) == 1 and n_idx == 1 and x.shape[indexed[0]] > 1:
+            # x split along the indexed dim, the positions whole: each rank fetches the rows of its
+            # chunk of positions from the ranks that hold them (a mixture of experts' token dispatch)
+            d, positions = indexed[0], info.inputs[1]
+            split = [j for j in range(positions.ndim) if positions.shape[j] > 1]
+            rows += [Row(S(d + j), (R, S(j))) for j in split]  # x whole: each rank its chunk of positions
+            rows += [Row(S(d + j), (S(d), R), routes=True) for j in split]
     rows.append(Row(R, (R,) * len(info.inputs)))
     return rows
+
+
+def routed_axes(x_spec: tuple, indices: list, mesh_shape: tuple) -> tuple:
+    """The mesh axes over which advanced indexing fetches rows from other
+    ranks: those (of size > 1) that split x along its one indexed dim
+    (index_rule's routed row; autopar/spmd.py, _routed_index; the cost model
+    prices the all-to-all, graph_costs.op_moves). Empty: a local op."""
+    dims = [d for d, t in enumerate(indices) if t is not None]
+    if len(dims) != 1:
+        return ()
+    return tuple(a for a, p in enumerate(x_spec) if isinstance(p, Shard) and p.dim == dims[0] and mesh_shape[a] > 1)
 
 
 @register(aten.index_put.default)
