@@ -9,6 +9,7 @@ import sys
 import textwrap
 import warnings
 
+from autopar.cost_models.optimizer import OPTIMIZER_STATES
 from autopar.errors import AutoparError
 
 
@@ -132,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--memory", help="per-device memory budget, e.g. 80GB (default: the device's)")
     c.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype priced (bf16/fp16: mixed precision with fp32 master weights)")
-    c.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-momentum"],
-                   help="optimizer whose state is counted in memory")
+    c.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
+                   help="optimizer whose state is counted in memory and whose step is priced: torch.optim's "
+                        "default (a pass per op), or '-fused' for a one-kernel update (torch's fused=True, apex, "
+                        "Transformer Engine)")
     c.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"],
                    help="activation recomputation: selective = the memory-heavy pieces of each layer "
                         "(an attention core), full = whole layers, auto = the fastest that fits")

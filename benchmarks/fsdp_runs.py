@@ -38,6 +38,10 @@ MPT = {  # d_model, n_heads, n_layers: llm-foundry scripts/train/yamls/pretrain/
 """MPT sizes. Their GPT-2 block (biases, learned positions, 4h MLP, tied
 embeddings) is the estimate's GPT block, without dropout (MPT's p defaults
 to 0): the parameter counts are the published ones exactly."""
+MPT_OPTIMIZER = "adamw"
+"""llm-foundry builds its MPT recipes' optimizer, decoupled_adamw, as Composer's DecoupledAdamW (llm-foundry's
+build_optimizer), a torch.optim.AdamW subclass whose step is torch's multi-tensor update: a pass per op
+(cost_models/optimizer.py). Assumed for the benchmark runs, whose table does not name the optimizer."""
 _A100 = get_cluster("dgx-a100")
 A100_40GB = dataclasses.replace(
     _A100, name="dgx-a100-40gb",
@@ -71,7 +75,7 @@ class FsdpRun:
     def plan(self) -> TrainingPlan:
         return TrainingPlan(batch=self.global_batch, microbatch=self.microbatch, tp=1, pp=1, dp=self.gpus, zero=3,
                             recompute=Recompute.FULL if self.checkpointing else Recompute.NONE,
-                            attention=AttentionKernel.FLASH1)
+                            attention=AttentionKernel.FLASH1, optimizer=MPT_OPTIMIZER)
 
 
 def load_runs(path: str = CSV) -> list[FsdpRun]:
@@ -95,9 +99,11 @@ class FsdpResult:
         return self.predicted_tokens / self.run.published_tokens - 1.0
 
 
-def predict_fsdp(runs: list[FsdpRun] | None = None) -> list[FsdpResult]:
+def predict_fsdp(runs: list[FsdpRun] | None = None, clusters: dict | None = None) -> list[FsdpResult]:
+    """Each run's estimate on its GPU's cluster (``clusters``: CLUSTERS, or others by the same keys)."""
     runs = load_runs() if runs is None else runs
-    return [FsdpResult(r, estimate(r.config, r.plan, CLUSTERS[r.gpu])) for r in runs]
+    clusters = CLUSTERS if clusters is None else clusters
+    return [FsdpResult(r, estimate(r.config, r.plan, clusters[r.gpu])) for r in runs]
 
 
 def _mape(results: list[FsdpResult]) -> float:
@@ -127,7 +133,8 @@ def fsdp_section(results: list[FsdpResult]) -> list[str]:
         "only) on 8 to 128 GPUs, bf16, the Triton FlashAttention kernel (`--attention flash1`: FlashAttention's",
         "first generation, priced at twice FlashAttention-2's time as Dao, FlashAttention-2, 2023, measures it),",
         "activation checkpointing as each row",
-        "states (`--recompute full`), the published microbatch and global batch. Predicted against published",
+        "states (`--recompute full`), the published microbatch and global batch, torch.optim's multi-tensor AdamW",
+        "(`--optimizer adamw`: Composer's DecoupledAdamW, llm-foundry's decoupled_adamw, assumed). Predicted against published",
         "tokens per second per GPU, on the `dgx-a100` and `dgx-h100` presets with the constants above (the",
         f"A100 40GB: {A100_40GB.source}); nothing was fitted to these runs. Each cell is the error of one",
         "run, or the mean of the runs that differ only in GPU count.",
@@ -215,7 +222,8 @@ def discussion(results: list[FsdpResult]) -> list[str]:
         f"{_mape(as_fa2):.0f}% off on average, {100 * min(r.error for r in as_fa2):+.0f}% to "
         f"{100 * max(r.error for r in as_fa2):+.0f}%, too fast by more as attention's share grows with s/h.",
         f"(3) On the H100 the GEMMs are priced at {h100.gemm_efficiency} of peak, the A100's fitted fraction "
-        "scaled by the two GPUs' measured best-shape matmul fractions (80.3% against 86.9%), and kernels written for "
+        "scaled by the two GPUs' measured best-shape matmul fractions (80.3% against 86.9%), with a fixed "
+        f"{1e6 * h100.gemm_latency:.1f} us per GEMM where Calculon's H100 curve puts it, and kernels written for "
         "Ampere's tensor-core instructions, as the Triton FlashAttention here, at "
         f"{h100.synchronous_mma_fraction} of that (what FlashAttention-2's published 35% utilisation of the H100 "
         "implies; cost_models/cluster.py cites both). Nothing was fitted to these runs. With the A100's fractions "

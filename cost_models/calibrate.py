@@ -172,14 +172,15 @@ def fit_host(raw_host: dict | None, host_memory: float | None, devices_per_node:
 def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, memory: float,
                      known_peaks: dict | None, links: Cluster | None = None,
                      special_function_rate: float = 0.0, synchronous_mma_fraction: float = 1.0,
-                     host_memory: float | None = None) -> Cluster:
+                     host_memory: float | None = None, multiprocessors: int = 0) -> Cluster:
     """Fit the cost model's constants to raw timings (see module docstring).
     ``known_peaks``: datasheet peak FLOP/s per dtype, when the device is known;
     ``special_function_rate``, ``synchronous_mma_fraction``: its SFU rate and
     what Ampere-style kernels reach of the measured GEMM rate, from the same
     preset (not measured: the GEMMs timed are cuBLAS's, native on any GPU);
     ``links``: where the node size and the links come from when one rank
-    measured no collectives (the raw timings then list none)."""
+    measured no collectives (the raw timings then list none); ``multiprocessors``:
+    the GPU's SM count (torch.cuda.get_device_properties), 0 for CPU ranks."""
     n = raw["world_size"]
     gemm = raw["gemm"]
     gemm_latency, inv_rate = fit_line([g["flops"] for g in gemm], [g["seconds"] for g in gemm])
@@ -196,7 +197,7 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
     device = Device(device_name, peaks, memory, 1.0 / inv_bw, gemm_efficiency=min(1.0, rate / peak),
                     gemm_latency=gemm_latency, memory_efficiency=1.0, op_latency=op_latency,
                     element_time=element_time, special_function_rate=special_function_rate,
-                    synchronous_mma_fraction=synchronous_mma_fraction)
+                    synchronous_mma_fraction=synchronous_mma_fraction, multiprocessors=multiprocessors)
     fit = {
         "gemm_rate_flops": rate, "gemm_latency_s": gemm_latency,
         "gemm_residuals": _relative_residuals([gemm_latency + g["flops"] / rate for g in gemm],
@@ -277,7 +278,8 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     cluster = profile_from_raw(raw, name=name or ("cpu" if backend == "gloo" else device_name.lower().replace(" ", "-")),
                                source=source, device_name=device_name, memory=memory, known_peaks=known,
                                links=links, special_function_rate=sfu, synchronous_mma_fraction=mma,
-                               host_memory=_host_memory() if backend == "nccl" else None)
+                               host_memory=_host_memory() if backend == "nccl" else None,
+                               multiprocessors=props.multi_processor_count if backend == "nccl" else 0)
     _write(cluster, out_path)
     # The runtime's own costs are measured by running emitted programs priced
     # with this profile less the overheads being measured: per call, per

@@ -149,6 +149,10 @@ class Device:
     tensor cores' native one (V100, A100, CPU ranks); below 1 on Hopper, whose
     full rate needs the asynchronous warpgroup MMA (``wgmma``) that cuBLAS and
     FlashAttention-3 issue (HOPPER_SYNCHRONOUS_MMA_FRACTION)."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors (SMs) of a GPU: what a communication kernel
+    that runs beside a GEMM takes its share of (overlap of tensor-parallel
+    collectives, transformer.tp_layer_comm); 0 where not known or not a GPU."""
     collective_overhead: float = 0.0
     """Seconds a collective call in an emitted program costs beyond its link's
     alpha-beta time (the DTensor redistribution around it; on a host with more
@@ -176,6 +180,9 @@ class Device:
         _positive(where, "collective_overhead (s)", self.collective_overhead, allow_zero=True)
         _positive(where, "special_function_rate (1/s)", self.special_function_rate, allow_zero=True)
         _fraction(where, "synchronous_mma_fraction", self.synchronous_mma_fraction)
+        if not isinstance(self.multiprocessors, int) or isinstance(self.multiprocessors, bool) \
+                or self.multiprocessors < 0:
+            raise ClusterError(f"{where}: multiprocessors must be an integer >= 0, got {self.multiprocessors!r}")
         if not isinstance(self.element_time, dict):
             raise ClusterError(f"{where}: element_time must be an object {{op name: [forward s, backward s]}}, "
                                f"got {self.element_time!r}")
@@ -423,8 +430,24 @@ H100_GEMM_EFFICIENCY = round(A100_GEMM_EFFICIENCY * MATMUL_FRACTION_H100 / MATMU
 ratio of their measured best-shape matmul fractions."""
 A100_MEMORY_EFFICIENCY = 0.78
 """Streaming-kernel fraction of HBM bandwidth, A100 (fit, benchmarks/validate_cost_model.py --fit)."""
+CALCULON_HALF_POINT = (1e9, 0.6)
+"""Calculon's matrix efficiency tables for the A100 80GB and the H100 (Isaev
+et al. SC'23; github.com/calculon-ai/calculon systems/a100_80g.json and
+systems/h100_80g_nvl8.json, "gflops_efficiency" float16): a GEMM of 1 GFLOP
+runs at 0.6 of the efficiency of a large one (0.9 at 16 GFLOP, 0.95 at 128),
+on each GPU alike: the same shapes, a faster GPU, a shorter fixed cost."""
+
+
+def _gemm_latency(peak: float, gemm_efficiency: float) -> float:
+    """The fixed seconds per GEMM at which the roofline's curve
+    (Device.gemm_curve) passes through CALCULON_HALF_POINT on this GPU."""
+    flops, fraction = CALCULON_HALF_POINT
+    ideal = flops / (peak * gemm_efficiency)
+    return ideal * (1 / fraction - 1)
+
+
 GEMM_LATENCY = 3e-6
-"""Seconds per GEMM (Calculon A100 efficiency table, see above)."""
+"""Seconds per GEMM on an A100 (Calculon's table, above: _gemm_latency gives 3.2 us at the fitted efficiency)."""
 KERNEL_LATENCY = 3e-6
 """Seconds per CUDA kernel launch (same order as GEMM_LATENCY; CUDA launch overhead is a few us)."""
 SFU_PER_SM_PER_CLOCK = 16
@@ -434,7 +457,7 @@ throughput of native arithmetic instructions). Times SMs and boost clock:
 A100 SXM 108 SMs at 1.41 GHz, H100/H200 SXM 132 at 1.83 GHz (the clocks at
 which 1024 and 2048 dense bf16 FMA per SM per clock give the datasheet's 312
 and 989 TFLOP/s), V100 SXM2 80 at 1.53 GHz (NVIDIA A100, H100 and V100 architecture
-whitepapers). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
+whitepapers; the same SM counts are Device.multiprocessors). For the H100 that is 3.9e12/s, the figure FlashAttention-3 sets
 against its 989 TFLOP/s of matmul (Shah et al. 2024, sec. 3)."""
 
 
@@ -468,25 +491,30 @@ _GPU_EFFICIENCIES = dict(gemm_efficiency=A100_GEMM_EFFICIENCY, gemm_latency=GEMM
                          memory_efficiency=A100_MEMORY_EFFICIENCY, op_latency=KERNEL_LATENCY)
 
 A100_80GB = Device("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 2039 * GB,
-                   special_function_rate=_sfu_rate(108, 1.41e9), **_GPU_EFFICIENCIES)
-_HOPPER_EFFICIENCIES = dict(_GPU_EFFICIENCIES, gemm_efficiency=H100_GEMM_EFFICIENCY,
+                   special_function_rate=_sfu_rate(108, 1.41e9), multiprocessors=108, **_GPU_EFFICIENCIES)
+HOPPER_GEMM_LATENCY = round(_gemm_latency(989e12, H100_GEMM_EFFICIENCY), 7)
+"""Seconds per GEMM on an H100 or H200 (the same die): Calculon's H100 table
+(CALCULON_HALF_POINT) at the H100's GEMM efficiency, about 1.1 us."""
+_HOPPER_EFFICIENCIES = dict(_GPU_EFFICIENCIES, gemm_efficiency=H100_GEMM_EFFICIENCY, gemm_latency=HOPPER_GEMM_LATENCY,
                             synchronous_mma_fraction=HOPPER_SYNCHRONOUS_MMA_FRACTION)
 H100_80GB = Device("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 3350 * GB,
-                   special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(132, 1.83e9), multiprocessors=132, **_HOPPER_EFFICIENCIES)
 H200 = Device("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 4800 * GB,
-              special_function_rate=_sfu_rate(132, 1.83e9), **_HOPPER_EFFICIENCIES)
+              special_function_rate=_sfu_rate(132, 1.83e9), multiprocessors=132, **_HOPPER_EFFICIENCIES)
 V100_32GB = Device("V100-SXM2-32GB", {"fp16": 125e12, "bf16": 125e12, "fp32": 15.7e12}, 32 * GB, 900 * GB,
-                   special_function_rate=_sfu_rate(80, 1.53e9), **_GPU_EFFICIENCIES)
+                   special_function_rate=_sfu_rate(80, 1.53e9), multiprocessors=80, **_GPU_EFFICIENCIES)
 
 BORROWED_EFFICIENCIES = (
     "its GEMM and memory efficiencies are the A100's fit, not measured on this GPU, and `autopar calibrate` on one "
     "measures its own; ")
 HOPPER_EFFICIENCIES_NOTE = (
-    "its GEMM efficiency is the A100's fit scaled by the two GPUs' published matmul benchmarks and its memory "
-    "efficiency the A100's, not measured on this GPU (`autopar calibrate` on one measures its own); ")
+    "its GEMM efficiency and latency are its own, from published matmul benchmarks (the A100's fit scaled by the "
+    "two GPUs' measured matmul fractions; Calculon's H100 efficiency curve), its memory efficiency the A100's, "
+    "none measured by a calibration on this GPU (`autopar calibrate` on one measures its own); ")
 H100_CHECKED = (
-    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) predictions are 15% fast on average up to "
-    "4,096 tokens (MAPE 15.8%) and 8% beyond, against Llama 3 405B -6% and -18% (docs/validation.md)")
+    "against MosaicML's 52 published H100 runs (PyTorch FSDP, 2023) predictions are 14% fast on average up to "
+    "4,096 tokens (MAPE 15.2%) and 8% beyond, against Llama 3 405B -7%, -20%, -1%, against a 2026 Llama 3 70B "
+    "FSDP run +6% (docs/validation.md)")
 """The caveats of the presets whose efficiencies were not measured on their GPU."""
 
 NVLINK3 = Link(240 * GB, 5e-6)

@@ -3,8 +3,12 @@
 A mesh axis is mapped onto the cluster's levels (``axis_links``): ranks are
 row-major, so axis ``i`` connects ranks ``stride = prod(shape[i+1:])`` apart.
 If the whole group fits in a node it uses the intra-node link; if every member
-sits on a different node it uses the inter-node link; otherwise the collective
-is hierarchical (intra-node phase, then inter-node on the reduced data).
+sits on a different node it uses the inter-node link at one device's share of
+its node's network; otherwise an all-gather or reduce-scatter is one flat ring
+through every member (``_flat_ring``: its NVLink and network hops each at
+their latency, the bytes at the group's share of each node's network,
+``node_share``), and an all-reduce the faster of two such rings and a
+hierarchical (tree-like) reduction.
 
 Ring costs follow the NCCL bus-bandwidth factors (nccl-tests PERFORMANCE.md):
 all-reduce moves 2(n-1)/n of the bytes, all-gather / reduce-scatter /
@@ -146,17 +150,50 @@ def _links_time(kind: Collective, nbytes: float, axis: AxisLinks, algorithm: Alg
         return _ring(kind, nbytes, axis.size, axis.intra_link, intra_algorithm)
     if axis.intra == 1:
         return _ring(kind, nbytes, axis.size, axis.inter_link, algorithm)
-    # Hierarchical: intra-node phase on the full buffer, inter-node phase on
-    # the 1/intra slice each device is responsible for.
-    if kind is Collective.ALL_REDUCE:
-        return (
-            _ring(Collective.REDUCE_SCATTER, nbytes, axis.intra, axis.intra_link)
-            + _ring(Collective.ALL_REDUCE, nbytes / axis.intra, axis.inter, axis.inter_link, algorithm)
-            + _ring(Collective.ALL_GATHER, nbytes, axis.intra, axis.intra_link)
-        )
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        return _ring(kind, nbytes / axis.intra, axis.inter, axis.inter_link) + _ring(
-            kind, nbytes, axis.intra, axis.intra_link
-        )
+        return _flat_ring(kind, nbytes, axis)
+    if kind is Collective.ALL_REDUCE:
+        ring = _flat_ring(Collective.REDUCE_SCATTER, nbytes, axis) + _flat_ring(Collective.ALL_GATHER, nbytes, axis)
+        if algorithm is Algorithm.RING:
+            return ring
+        tree = _hierarchical_all_reduce(nbytes, axis, Algorithm.TREE)
+        return tree if algorithm is Algorithm.TREE else min(ring, tree)
     # all-to-all and point-to-point: bound by the slowest (inter-node) level.
     return _ring(kind, nbytes, axis.size, axis.inter_link)
+
+
+def node_share(axis: AxisLinks) -> float:
+    """Bytes/s a collective over ``axis`` gets across nodes per node: the
+    network share of its members there. A node's NICs are shared by its
+    devices (the inter-node bandwidth is per device: a node's NICs over its
+    devices), so a group with ``intra`` members on each node crosses at
+    ``intra`` shares, however many other groups cross at once beside it; the
+    ring's NVLink hops inside the node cap it (NCCL runs one ring per NIC
+    through every node: nccl-tests doc/PERFORMANCE.md, bus bandwidth)."""
+    return min(axis.intra_link.bandwidth, axis.intra * axis.inter_link.bandwidth)
+
+
+def _flat_ring(kind: Collective, nbytes: float, axis: AxisLinks) -> float:
+    """An all-gather or reduce-scatter over a group of ``intra`` devices on
+    each of ``inter`` nodes, as NCCL runs it: one ring through every member,
+    its n - 1 steps n - inter hops inside nodes and inter - 1 between them,
+    each at its link's latency (NCCL's own model: latency = base + (nsteps
+    - nInterSteps) intraLat + nInterSteps interLat, src/graph/tuning.cc,
+    ncclTopoTuneModel), the bytes at the group's share of each node's
+    network (``node_share``). At scale the steps add up: 1,024 devices on
+    128 nodes wait 896 NVLink hops and 127 network hops per collective."""
+    n = axis.size
+    latency = (n - axis.inter) * axis.intra_link.latency + (axis.inter - 1) * axis.inter_link.latency
+    return latency + ring_bytes(kind, nbytes, n) / node_share(axis)
+
+
+def _hierarchical_all_reduce(nbytes: float, axis: AxisLinks, algorithm: Algorithm) -> float:
+    """An all-reduce as a reduce-scatter inside each node, an all-reduce
+    between nodes of each device's 1/intra slice, an all-gather inside the
+    node (NCCL's tree algorithm crosses nodes on a tree of the nodes and
+    chains inside each; this is its bandwidth and latency shape)."""
+    return (
+        _ring(Collective.REDUCE_SCATTER, nbytes, axis.intra, axis.intra_link)
+        + _ring(Collective.ALL_REDUCE, nbytes / axis.intra, axis.inter, axis.inter_link, algorithm)
+        + _ring(Collective.ALL_GATHER, nbytes, axis.intra, axis.intra_link)
+    )

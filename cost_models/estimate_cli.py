@@ -11,7 +11,9 @@ import sys
 
 from autopar.cost_models.cluster import cluster_names, get_cluster
 from autopar.cost_models.transformer import StepEstimate, estimate
-from autopar.cost_models.transformer_plan import AttentionKernel, Precision, Recompute, TrainingPlan, TransformerConfig
+from autopar.cost_models.optimizer import OPTIMIZER_STATES
+from autopar.cost_models.transformer_plan import (AttentionKernel, Kernels, Precision, Recompute, TrainingPlan,
+                                                  TransformerConfig)
 from autopar.errors import AutoparError
 
 
@@ -64,6 +66,21 @@ def estimate_parser() -> argparse.ArgumentParser:
                       help="attention kernel: flash (FlashAttention-2, PyTorch's; the default), flash3 "
                            "(FlashAttention-3 or cuDNN's, Hopper), flash1 (FlashAttention's first generation or "
                            "Triton port, twice as slow as flash), unfused (Megatron-LM 2021)")
+    plan.add_argument("--tp-comm-overlap", action="store_true",
+                      help="overlap the tensor-parallel all-gathers and reduce-scatters with the GEMMs they feed "
+                           "(Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers; needs "
+                           "--sequence-parallel)")
+    plan.add_argument("--no-overlap-grad-reduce", action="store_true",
+                      help="reduce the gradients after the backward instead of under it")
+    plan.add_argument("--no-overlap-param-gather", action="store_true",
+                      help="ZeRO's parameter all-gathers block the compute that needs them instead of being "
+                           "prefetched (autopar's runtime today)")
+    plan.add_argument("--kernels", choices=[k.value for k in Kernels], default=Kernels.MEGATRON.value,
+                      help="element-wise kernels: megatron (Megatron-LM's fused ones; the default) or eager (one "
+                           "per ATen op, as PyTorch eager and autopar's programs run them)")
+    plan.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw-fused",
+                      help="optimizer and its update: adamw-fused (one kernel, Megatron-LM's; the default) or "
+                           "adamw (torch.optim's multi-tensor passes), ...")
     hw = ap.add_argument_group("hardware")
     hw.add_argument("--cluster", required=True, metavar="NAME",
                     help=f"preset ({', '.join(cluster_names())}) or cluster/profile JSON file")
@@ -82,7 +99,9 @@ def estimate_from_args(args: argparse.Namespace) -> StepEstimate:
         batch=args.batch, microbatch=args.microbatch, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
         virtual_stages=args.virtual_stages, first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers, sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute, zero=args.zero, precision=args.precision, attention=args.attention)
+        recompute=args.recompute, zero=args.zero, precision=args.precision, attention=args.attention,
+        tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        overlap_param_gather=not args.no_overlap_param_gather, kernels=args.kernels, optimizer=args.optimizer)
     return estimate(model, plan, get_cluster(args.cluster), args.nodes)
 
 

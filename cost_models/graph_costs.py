@@ -14,7 +14,11 @@ from torch.distributed.tensor import Partial, Shard
 
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Collective, axis_links, collective_time, launch_time
-from autopar.cost_models.compute import FLASH_CAUSAL_WORK, op_time
+from autopar.cost_models.compute import op_time
+from autopar.cost_models.kernels import FLASH_CAUSAL_WORK, Kernel, flash_attention, matmul_op, stream
+from autopar.cost_models.optimizer import (  # noqa: F401  (OPTIMIZER_PASSES, OPTIMIZER_STATES: re-exported)
+    OPTIMIZER_PASSES, OPTIMIZER_STATES, check_optimizer, param_bytes, step_seconds, step_temporary_bytes, update_bytes,
+)
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
 from autopar.ir import Graph, Node, NodeKind
@@ -25,24 +29,7 @@ from autopar.passes.rules.indexing import routed_axes
 from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor
 
-OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-"""fp32 optimizer state tensors per parameter (SGD none, momentum one, Adam two moments)."""
-
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-def param_bytes(precision: str, optimizer: str, itemsize: int = 4) -> dict:
-    """Bytes per parameter element, by kind (Rajbhandari et al. 2020, ZeRO, sec. 3.1).
-
-    fp32, the model as it is: weights, gradients and each optimizer state in
-    the parameter's own dtype (``itemsize`` bytes: torch.optim keeps its
-    states in the parameter's dtype), 4 + 4 + 8 = 16 B for Adam on float32,
-    half that for a bfloat16 model. Mixed precision (bf16/fp16 compute): 2 B
-    weights and 2 B gradients in the compute dtype, plus an fp32 master copy
-    (4 B) with the fp32 states: 2 + 2 + 12 = 16 B for Adam."""
-    if precision == "fp32":
-        return {"parameters": itemsize, "gradients": itemsize, "optimizer": itemsize * OPTIMIZER_STATES[optimizer]}
-    return {"parameters": 2, "gradients": 2, "optimizer": 4 + 4 * OPTIMIZER_STATES[optimizer]}
 
 
 _aten = torch.ops.aten
@@ -118,8 +105,7 @@ class CostContext:
     @classmethod
     def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32",
              offload: bool = True) -> "CostContext":
-        if optimizer not in OPTIMIZER_STATES:
-            raise AutoparError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
+        check_optimizer(optimizer)
         if precision not in PRECISIONS:
             raise AutoparError(f"precision {precision!r} is not one of {PRECISIONS}")
         return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision,
@@ -151,36 +137,63 @@ def splits(strategy: Strategy, n_axes: int) -> tuple:
 
 
 def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of a node under strategy ``s``."""
+    """(forward seconds, backward seconds) of a node under strategy ``s``:
+    its kernel (``node_kernel``) on the device, at the device's measured
+    per-element rate where it has one for the op, plus the runtime's own
+    cost per call and unwrapped input (Device.runtime_overhead)."""
     inputs = runtime_inputs(node)
     if inputs is None:
         return 0.0, 0.0
     dev = ctx.cluster.device
     overhead = dev.runtime_overhead + dev.input_overhead * inputs
-    if node.kind is not NodeKind.OP:
+    if node.kind is not NodeKind.OP or is_view(node):  # a view moves no bytes
         return overhead, overhead if backward else 0.0
-    work = math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
+    kernel, dtype = node_kernel(node, s, ctx)
+    fwd, bwd = kernel.seconds(dev, dtype)
+    op = op_name(node)
+    if op in dev.element_time and not kernel.matmul:  # a CPU rank's measured rate per element
+        elements = max(math.prod(m.shape) for m in (*node.info.inputs, *node.info.outputs)) / _work(s, ctx)
+        fwd = op_time(0.0, kernel.fwd_bytes, dev, dtype, measured=dev.element_seconds(op, elements))
+        bwd = op_time(0.0, kernel.bwd_bytes, dev, dtype, measured=dev.element_seconds(op, elements, backward=True))
+    return fwd + overhead, (bwd + overhead) if backward else 0.0
+
+
+def _work(s: Strategy, ctx: CostContext) -> int:
+    """Devices a strategy divides an op's work over."""
+    return math.prod(ctx.mesh_shape[a] for a in range(len(ctx.mesh_shape)) if s.splits(a))
+
+
+def node_kernel(node: Node, s: Strategy, ctx: CostContext) -> tuple[Kernel, str]:
+    """The kernel one device runs for op ``node`` under ``s`` (its share of
+    the op's work), and the dtype it computes in. A GEMM (a rule marked
+    matmul) is a ``kernels.matmul_op``; PyTorch's fused attention on GPUs
+    runs FlashAttention-2's kernels (``kernels.flash_attention`` on the
+    scores its busiest rank computes, ``attention_share``); every other op is
+    one pass over its inputs and outputs forward and again backward."""
     rule = get_rule(node.target)
-    matmul = rule is not None and rule.matmul
     dtype = ctx.precision if node.out.dtype.is_floating_point and ctx.precision != "fp32" \
         else _dtype_name(node.out.dtype)
-    metas = (*node.info.inputs, *node.info.outputs)
-    nbytes = sum(ctx.tensor_bytes(m) for m in metas)
-    op, elements = op_name(node), max(math.prod(m.shape) for m in metas) / work
-    share = attention_share(node, s, ctx.mesh_shape)
-    special = op_special(node) * share / work
-    # PyTorch's fused attention on GPUs runs FlashAttention-2's kernels.
-    fwd = op_time(op_flops(node) * share / work, nbytes / work, dev, dtype, matmul=matmul,
-                  measured=dev.element_seconds(op, elements), special=special, synchronous_mma=special > 0)
-    # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
-    # about one pass over the same data, at their own measured rate if any.
-    bwd = 0.0
-    if backward:
-        if op in dev.element_time and not matmul:
-            bwd = op_time(0.0, nbytes / work, dev, dtype, measured=dev.element_seconds(op, elements, backward=True))
-        else:
-            bwd = (2.0 if matmul else 1.0) * fwd
-    return fwd + overhead, bwd + (overhead if backward else 0.0)
+    work = _work(s, ctx)
+    nbytes = sum(ctx.tensor_bytes(m) for m in (*node.info.inputs, *node.info.outputs))
+    if node.target is _aten.scaled_dot_product_attention.default:
+        # the scores the busiest rank computes: causal attention skips the masked blocks (attention_share)
+        share = attention_share(node, s, ctx.mesh_shape)
+        kernel = flash_attention(_attention_scores(node.info) * share, node.info.inputs[0].shape[-1], nbytes,
+                                 causal=False)
+    elif node.target is _aten.embedding.default:
+        # a lookup reads the rows it gathers and writes them; its backward
+        # (embedding_dense_backward) writes the gradient of its whole local
+        # table whatever share of the batch it looked up
+        ms = ctx.mesh_shape
+        table, indices = (ctx.tensor_bytes(m) / shard_factor(spec, ms)
+                          for m, spec in zip(node.info.inputs[:2], s.inputs[:2]))
+        out = ctx.tensor_bytes(node.out) / shard_factor(s.output, ms)
+        return stream("embedding", 2 * out + indices, table + out + indices), dtype
+    elif rule is not None and rule.matmul:
+        kernel = matmul_op(op_name(node), op_flops(node), nbytes)
+    else:
+        kernel = stream(op_name(node), nbytes, nbytes, flops=op_flops(node))
+    return kernel.scaled(work), dtype
 
 
 def _causal(node: Node) -> bool:
@@ -396,10 +409,15 @@ def saved_outputs(graph: Graph) -> dict:
 
 def kept_outputs(graph: Graph) -> tuple[dict, set]:
     """(per node, the share of its output kept whatever its consumers'
-    placements; the nodes kept only for consumers that save their input).
-    A node of the second kind is kept only if one of those consumers reads
-    its output as it is: one that takes a resharded copy keeps the copy (a
-    reduce-scattered partial sum is freed once scattered). Memory pricing
+    placements; the nodes kept only for consumers that save their input,
+    directly or through views). A node of the second kind is kept only if
+    one of those consumers reads its output as it is: one that takes a
+    resharded copy keeps the copy (a reduce-scattered partial sum is freed
+    once scattered). A view of the second kind is priced where a consumer
+    that saves it reads it in place: its storage is what it views, the
+    producer's tensor or a resharded copy of it (logits gathered into the
+    view cross entropy saves keep the gathered copy, not the shard), and a
+    producer kept only through views is priced there, not again. Memory pricing
     counts it on those edges (``edge_memory`` with ``read``), once per
     producer (``SharedReshards.keeps``, the solver's shared copies)."""
     kept, read = _saved(graph)
@@ -423,11 +441,20 @@ def _saved(graph: Graph) -> tuple[dict, set]:
         mask = _dropout_mask_share(node)
         if own or by_view or by_saving:
             kept[name] = 1.0 + mask
-            if not (own or by_view or is_view(node)):
+            if not own:  # kept for what reads it (through views too), as it reads it: priced on those edges
                 read.add(name)
         elif mask:
             kept[name] = mask
-    return kept, read
+    # a view shares its base's storage: priced where it is read only if its base is
+    return kept, {name for name in read if not is_view(graph.nodes[name]) or storage(graph, name) in read}
+
+
+def storage(graph: Graph, name: str) -> str:
+    """The node whose storage ``name`` shares (itself unless it is a view)."""
+    node = graph.nodes[name]
+    while node.kind is NodeKind.OP and is_view(node) and node.inputs:
+        node = graph.nodes[node.inputs[0]]
+    return node.name
 
 
 def is_view(node: Node) -> bool:
@@ -466,14 +493,10 @@ def memory_breakdown(node: Node, s: Strategy, ctx: CostContext, kept: float) -> 
 
 
 def optimizer_step_bytes(param_bytes_local: float, ctx: CostContext, itemsize: int = 4) -> float:
-    """Temporaries of one optimizer step: torch.optim's multi-tensor Adam/AdamW
-    computes sqrt(v) out of place, one tensor per parameter in its state's
-    dtype (torch/optim/adam.py, _multi_tensor_adam:
-    torch._foreach_sqrt(exp_avg_sqs)); SGD updates in place."""
-    if OPTIMIZER_STATES[ctx.optimizer] < 2:
-        return 0.0
-    state = itemsize if ctx.precision == "fp32" else 4  # mixed precision: fp32 states
-    return param_bytes_local / param_bytes(ctx.precision, ctx.optimizer, itemsize)["parameters"] * state
+    """Temporaries of one optimizer step over parameters whose local
+    weights take ``param_bytes_local`` (optimizer.step_temporary_bytes)."""
+    elements = param_bytes_local / param_bytes(ctx.precision, ctx.optimizer, itemsize)["parameters"]
+    return step_temporary_bytes(elements, ctx.precision, ctx.optimizer, itemsize)
 
 
 def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
@@ -484,33 +507,17 @@ def step_temporaries(node: Node, s: Strategy, ctx: CostContext) -> float:
     return optimizer_step_bytes(memory_breakdown(node, s, ctx, 1.0)["parameters"], ctx, node.out.dtype.itemsize)
 
 
-OPTIMIZER_PASSES = {"sgd": (1, 12), "sgd-momentum": (3, 32), "adam": (8, 72), "adamw": (9, 80)}
-"""(ops, bytes moved per fp32 parameter element) of one torch.optim step with
-its default arguments, each op a separate pass over the tensors
-(torch/optim/sgd.py and adam.py, the single-tensor and foreach paths alike).
-AdamW: param.mul_(1 - lr wd) 8 B, exp_avg.lerp_(grad) 12, exp_avg_sq.mul_ 8,
-.addcmul_(grad, grad) 12, sqrt 8, div 8, add_(eps) 8, param.addcdiv_ 16 = 80,
-and the step counter's increment; Adam the same without the weight decay (72);
-SGD param.add_(grad) 12; with momentum buf.mul_ 8, buf.add_(grad) 12,
-param.add_(buf) 12 = 32."""
-
-
 def optimizer_time(node: Node, s: Strategy, ctx: CostContext) -> float:
-    """torch.optim's update of one parameter's local shard (fp32 masters under
-    mixed precision): ``OPTIMIZER_PASSES`` bytes per element at streaming
-    bandwidth, plus each op's launch on CPU ranks, where torch.optim loops
-    over the parameters one by one (torch/optim/optimizer.py,
-    _default_to_fused_or_foreach: the multi-tensor path is the default for
-    CUDA tensors only, and launches once for many parameters)."""
+    """The optimizer's update of one parameter's local shard (fp32 masters
+    under mixed precision), as ``optimizer.step_seconds`` prices it: per
+    tensor launches on CPU ranks (gloo), where torch.optim loops over the
+    parameters; on the host where the shard is offloaded."""
     if node.kind is not NodeKind.PARAM:
         return 0.0
     elements = math.prod(node.out.shape) / shard_factor(s.output, ctx.mesh_shape)
     if s.offload:
         return offload_time(elements, node.out.dtype.itemsize, ctx)
-    ops, nbytes = OPTIMIZER_PASSES[ctx.optimizer]
-    device = ctx.cluster.device
-    launches = ops * device.op_latency if ctx.cluster.backend == "gloo" else 0.0
-    return launches + elements * nbytes / device.streaming_bandwidth
+    return step_seconds(elements, ctx.optimizer, ctx.cluster.device, ctx.cluster.backend == "gloo")
 
 
 def host_bytes(node: Node, s: Strategy, ctx: CostContext) -> float:
@@ -536,7 +543,7 @@ def offload_time(elements: float, itemsize: int, ctx: CostContext) -> float:
     host, device = ctx.cluster.host, ctx.cluster.device
     kinds = param_bytes(ctx.precision, ctx.optimizer, itemsize)
     moved = elements * (kinds["gradients"] + kinds["parameters"])
-    _, nbytes = OPTIMIZER_PASSES[ctx.optimizer]
+    nbytes = update_bytes(ctx.optimizer)
     if host is None:
         return (moved + elements * nbytes) / device.streaming_bandwidth
     share = host.memory_bandwidth / ctx.cluster.devices_per_node

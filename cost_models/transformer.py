@@ -33,13 +33,16 @@ formula, used for MFU) and hardware FLOPs, which add the recomputed forward
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
+from autopar.cost_models import optimizer as opt
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Algorithm, AxisLinks, Collective, axis_links, collective_time
-from autopar.cost_models.compute import FLASH_CAUSAL_WORK, op_time
-from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Recompute, TrainingPlan,
+from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
+from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched
+from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Kernels, Recompute, TrainingPlan,
                                                   TransformerConfig, check_plan, stage_layers)
 
 
@@ -47,13 +50,6 @@ VOCAB_PAD = 128
 """Megatron pads the vocabulary to a multiple of 128 * tp (--make-vocab-size-divisible-by 128)."""
 GRAD_BUCKET_BYTES = 25e6
 """Gradient bucket size, bytes: torch DDP's default bucket_cap_mb=25."""
-FLASH1_SLOWDOWN = 2.0
-"""FlashAttention's first generation takes twice FlashAttention-2's time: "around
-2x speedup compared to FlashAttention" (Dao, FlashAttention-2, 2023, abstract;
-25-40% of the A100's peak against 50-73%)."""
-FLASH_BACKWARD_WORK = 2.5
-"""FlashAttention backward / forward matmul work: 5 GEMMs against 2, since the
-backward recomputes QK^T (Dao, FlashAttention-2, 2023, Sec. 3.1.2)."""
 CROSS_ENTROPY_FWD_FP32_BYTES = 32
 """Bytes per logit beyond the 16-bit read in Megatron's vocab-parallel cross
 entropy forward: an fp32 upcast, max subtraction, exp and normalisation pass
@@ -61,6 +57,8 @@ entropy forward: an fp32 upcast, max subtraction, exp and normalisation pass
 CROSS_ENTROPY_BWD_FP32_BYTES = 8
 """Bytes per logit beyond the 16-bit gradient write in its backward (read the
 saved fp32 softmax, write the fp32 gradient)."""
+TARGET_BYTES = 8
+"""Bytes per token of the token ids and targets (int64, as torch's embedding and cross entropy take them)."""
 
 
 # --- results -------------------------------------------------------------------
@@ -104,10 +102,18 @@ class MemoryBreakdown:
     """Activations saved for backward, for every microbatch in flight, plus the recomputation working set."""
     stage: int
     """Pipeline stage this breakdown is for."""
+    inputs: float = 0.0
+    """The batch's token ids and targets."""
+    step_temporaries: float = 0.0
+    """The optimizer step's temporaries (optimizer.step_temporary_bytes)."""
+    persistent_gradients: bool = True
+    """Gradients live beside the activations (a contiguous gradient buffer,
+    accumulation, a pipeline), not only once backward frees them."""
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations
+        return opt.device_peak(self.parameters + self.optimizer_states + self.inputs, self.gradients,
+                               self.activations, self.step_temporaries, self.persistent_gradients)
 
 
 @dataclass(frozen=True)
@@ -179,95 +185,82 @@ def step_flops(model: TransformerConfig, plan: TrainingPlan) -> tuple[float, flo
 
 # --- per-GPU kernels of one microbatch ---------------------------------------------
 
-@dataclass(frozen=True)
-class Kernel:
-    """One kernel of the forward pass and its backward, per GPU per microbatch."""
-
-    name: str
-    fwd_flops: float
-    """FLOPs the forward kernel executes."""
-    fwd_bytes: float
-    """Bytes the forward kernel reads and writes."""
-    bwd_flops: float
-    """FLOPs of the backward kernels."""
-    bwd_bytes: float
-    """Bytes the backward kernels read and write."""
-    matmul: bool
-    """Runs on the GEMM units (at the device's GEMM efficiency)."""
-    attention_core: bool = False
-    """Part of the attention core (what selective recomputation reruns)."""
-    shape: tuple = ()
-    """A GEMM's (batch, m, k, n); FlashAttention's (sequences, query heads,
-    key/value heads, sequence length, head dim): what a benchmark runs to time
-    the kernel (benchmarks/kernel_times.py)."""
-    special: float = 0.0
-    """Special-function evaluations of the forward kernel, and again of its
-    backward: FlashAttention's exponentials, one per score element computed
-    (the backward recomputes the probabilities)."""
-    slowdown: float = 1.0
-    """Time over what the roofline gives it: a kernel generation known to be
-    slower than the one the roofline's constants describe (FLASH1_SLOWDOWN)."""
-    synchronous_mma: bool = False
-    """Issues Ampere's tensor-core instructions (FlashAttention-1 and -2)."""
-    overlap_special: bool = False
-    """Runs its exponentials beside its GEMMs (FlashAttention-3)."""
-
-    def seconds(self, device, dtype: str) -> tuple[float, float]:
-        """(forward, backward) seconds on ``device`` in compute dtype ``dtype``."""
-        return tuple(self.slowdown * op_time(flops, nbytes, device, dtype, matmul=self.matmul, special=self.special,
-                                             synchronous_mma=self.synchronous_mma,
-                                             overlap_special=self.overlap_special)
-                     for flops, nbytes in ((self.fwd_flops, self.fwd_bytes), (self.bwd_flops, self.bwd_bytes)))
-
-
-def _gemm(name: str, m: float, k: float, n: float, e: int, batch: float = 1, attention_core: bool = False) -> Kernel:
-    """(m x k) @ (k x n); the backward is two GEMMs of the same size (input and weight gradients)."""
-    flops = 2.0 * batch * m * k * n
-    nbytes = float(e) * batch * (m * k + k * n + m * n)
-    return Kernel(name, flops, nbytes, 2 * flops, 2 * nbytes, True, attention_core, (batch, m, k, n))
-
-
-def _stream(name: str, fwd_bytes: float, bwd_bytes: float, attention_core: bool = False) -> Kernel:
-    return Kernel(name, 0.0, fwd_bytes, 0.0, bwd_bytes, False, attention_core)
-
-
 def local_tokens(model: TransformerConfig, plan: TrainingPlan) -> float:
     """Tokens of one microbatch on one GPU: its sequences' 1/cp share."""
     return plan.microbatch * model.seq / plan.cp
 
 
 def layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """The kernels of one layer on one GPU for one microbatch.
+    """The kernels of one layer on one GPU for one microbatch, as the plan's
+    ``kernels`` run them (``Kernels``).
 
-    Element-wise kernels are Megatron-LM's fused ones; their bytes count each
-    tensor read or written once (e bytes per element, 1 per dropout-mask
-    element): layer norm y = f(x) and dx = f(dy, x); bias-dropout-add
-    out = x + drop(y + b) writes the mask, its backward reads dy and the mask;
-    bias-GeLU y = f(x), dx = f(dy, x); SwiGLU y = f(gate, up), (dgate, dup) =
-    f(dy, gate, up)."""
+    Megatron-LM's fused element-wise kernels count each tensor read or
+    written once (e bytes per element, 1 per dropout-mask element): layer
+    norm y = f(x) and dx = f(dy, x); bias-dropout-add out = x + drop(y + b)
+    writes the mask, its backward reads dy and the mask; bias-GeLU y = f(x),
+    dx = f(dy, x); SwiGLU y = f(gate, up), (dgate, dup) = f(dy, gate, up).
+    Eager PyTorch runs one kernel per ATen op (``eager_layer_kernels``)."""
+    if plan.kernels is Kernels.EAGER:
+        return eager_layer_kernels(model, plan)
     e, t = plan.precision.elem_bytes, plan.tp
     tokens = local_tokens(model, plan)
     h, f = model.hidden, model.ffn
     full = tokens * h / (t if plan.sequence_parallel else 1)  # elements of layer-norm / dropout tensors
     mask = 1 if model.dropout else 0  # dropout mask bytes per element
-    norm = _stream("layernorm", 2 * e * full, 3 * e * full)
-    residual = _stream("bias-dropout-add", (3 * e + mask) * full, (2 * e + mask) * full)
+    norm = stream("layernorm", 2 * e * full, 3 * e * full)
+    residual = stream("bias-dropout-add", (3 * e + mask) * full, (2 * e + mask) * full)
     if model.swiglu:
-        act = _stream("swiglu", 3 * e * tokens * f / t, 5 * e * tokens * f / t)
+        act = stream("swiglu", 3 * e * tokens * f / t, 5 * e * tokens * f / t)
     else:
-        act = _stream("bias-gelu", 2 * e * tokens * f / t, 3 * e * tokens * f / t)
+        act = stream("bias-gelu", 2 * e * tokens * f / t, 3 * e * tokens * f / t)
     return [
         norm,
-        _gemm("qkv", tokens, h, (h + 2 * model.kv_hidden) / t, e),
+        gemm("qkv", tokens, h, (h + 2 * model.kv_hidden) / t, e),
         *attention_kernels(model, plan),
-        _gemm("attention-out", tokens, h / t, h, e),
+        gemm("attention-out", tokens, h / t, h, e),
         residual,
         norm,
-        _gemm("mlp-in", tokens, h, model.ffn_in / t, e),
+        gemm("mlp-in", tokens, h, model.ffn_in / t, e),
         act,
-        _gemm("mlp-out", tokens, f / t, h, e),
+        gemm("mlp-out", tokens, f / t, h, e),
         residual,
     ]
+
+
+def eager_layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
+    """One layer as PyTorch eager runs it, one kernel per ATen op, each priced
+    as ``autopar compile`` prices the op (graph_costs.node_kernel): an
+    element-wise op or a norm is one pass over its inputs and outputs forward
+    and again backward; q, k and v are separate GEMMs (biases read beside
+    them); views (the head reshapes, transposes) and a dropout of p = 0 move
+    nothing. Under tensor parallelism the norms run on the whole activation
+    (sequence parallelism: on its shard of the sequence)."""
+    e, t = plan.precision.elem_bytes, plan.tp
+    tokens = local_tokens(model, plan)
+    h, f, kv = model.hidden, model.ffn, model.kv_hidden
+    full = tokens * h / (t if plan.sequence_parallel else 1)
+    bias = (lambda n: e * n) if model.biases else (lambda n: 0.0)  # noqa: E731
+    norm_params = h if model.swiglu else 2 * h
+    norm = stream("layer-norm", e * (2 * full + norm_params), e * (2 * full + norm_params))
+    add = stream("add", 3 * e * full, 3 * e * full)
+    dropout = [stream("dropout", 2 * e * full, 2 * e * full)] if model.dropout else []
+    attention = [
+        norm,
+        gemm("q", tokens, h, h / t, e, extra_bytes=bias(h / t)),
+        gemm("k", tokens, h, kv / t, e, extra_bytes=bias(kv / t)),
+        gemm("v", tokens, h, kv / t, e, extra_bytes=bias(kv / t)),
+        *attention_kernels(model, plan),
+        gemm("attention-out", tokens, h / t, h, e, extra_bytes=bias(h)),
+        *dropout, add,
+    ]
+    inner = tokens * f / t
+    if model.swiglu:
+        mlp = [gemm("mlp-gate", tokens, h, f / t, e), gemm("mlp-up", tokens, h, f / t, e),
+               stream("silu", 2 * e * inner, 2 * e * inner), stream("mul", 3 * e * inner, 3 * e * inner)]
+    else:
+        mlp = [gemm("mlp-in", tokens, h, f / t, e, extra_bytes=bias(f / t)),
+               stream("gelu", 2 * e * inner, 2 * e * inner)]
+    return attention + [norm, *mlp, gemm("mlp-out", tokens, f / t, h, e, extra_bytes=bias(h)), *dropout, add]
 
 
 def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
@@ -278,50 +271,75 @@ def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kern
     e, s, d = plan.precision.elem_bytes, model.seq, model.head_dim
     heads = plan.microbatch * model.heads // plan.tp  # (sequence, head) pairs on this GPU
     if plan.attention.fused:
-        scores = heads * s * s * FLASH_CAUSAL_WORK / plan.cp
         nbytes = float(e) * plan.microbatch * (2 * model.hidden * s / plan.cp + 2 * model.kv_hidden * s) / plan.tp
         shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
         slowdown = FLASH1_SLOWDOWN if plan.attention is AttentionKernel.FLASH1 else 1.0
-        return [Kernel("flash-attention", 4.0 * d * scores, nbytes, FLASH_BACKWARD_WORK * 4.0 * d * scores,
-                       2 * nbytes, True, True, shape, special=scores, slowdown=slowdown,
-                       synchronous_mma=plan.attention.synchronous_mma,
-                       overlap_special=plan.attention is AttentionKernel.FLASH3)]
+        return [flash_attention(heads * s * s / plan.cp, d, nbytes, causal=True, slowdown=slowdown,
+                                synchronous_mma=plan.attention.synchronous_mma,
+                                overlap_special=plan.attention is AttentionKernel.FLASH3, shape=shape)]
     # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
     scores = heads * s * s  # elements of the s x s score matrices
     mask = 1 if model.dropout else 0
-    kernels = [_gemm("qk^T", s, d, s, e, batch=heads, attention_core=True),
-               _stream("softmax", 2 * e * scores, 3 * e * scores, attention_core=True)]
+    kernels = [gemm("qk^T", s, d, s, e, batch=heads, attention_core=True),
+               stream("softmax", 2 * e * scores, 3 * e * scores, attention_core=True)]
     if model.dropout:
-        kernels.append(_stream("attention-dropout", (2 * e + mask) * scores, (2 * e + mask) * scores, True))
-    kernels.append(_gemm("pv", s, s, d, e, batch=heads, attention_core=True))
+        kernels.append(stream("attention-dropout", (2 * e + mask) * scores, (2 * e + mask) * scores, True))
+    kernels.append(gemm("pv", s, s, d, e, batch=heads, attention_core=True))
     return kernels
 
 
 def padded_vocab(model: TransformerConfig, plan: TrainingPlan) -> int:
+    """The vocabulary as the output layer holds it: Megatron pads it to a
+    multiple of 128 tp; an eager model keeps its own size."""
+    if plan.kernels is Kernels.EAGER:
+        return model.vocab
     step = VOCAB_PAD * plan.tp
     return step * math.ceil(model.vocab / step)
 
 
 def head_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """Final norm, logits GEMM and cross entropy (last stage), per GPU per microbatch."""
+    """Final norm, logits GEMM and cross entropy (last stage), per GPU per
+    microbatch. Megatron's vocabulary-parallel cross entropy works in fp32
+    (CROSS_ENTROPY_*_FP32_BYTES); PyTorch's reads the 16-bit logits and the
+    targets once forward and again backward."""
     e, t = plan.precision.elem_bytes, plan.tp
     tokens = local_tokens(model, plan)
     full = tokens * model.hidden / (t if plan.sequence_parallel else 1)
     logits = tokens * padded_vocab(model, plan) / t
+    if plan.kernels is Kernels.EAGER:  # cross entropy on the whole vocabulary (tp_head_comm)
+        norm_params = model.hidden if model.swiglu else 2 * model.hidden
+        norm = e * (2 * full + norm_params)
+        ce = e * logits * t + TARGET_BYTES * tokens
+        return [stream("final-norm", norm, norm), gemm("logits", tokens, model.hidden, padded_vocab(model, plan) / t, e),
+                stream("cross-entropy", ce, ce)]
     return [
-        _stream("final-norm", 2 * e * full, 3 * e * full),
-        _gemm("logits", tokens, model.hidden, padded_vocab(model, plan) / t, e),
-        _stream("cross-entropy", (e + CROSS_ENTROPY_FWD_FP32_BYTES) * logits,
-                (e + CROSS_ENTROPY_BWD_FP32_BYTES) * logits),
+        stream("final-norm", 2 * e * full, 3 * e * full),
+        gemm("logits", tokens, model.hidden, padded_vocab(model, plan) / t, e),
+        stream("cross-entropy", (e + CROSS_ENTROPY_FWD_FP32_BYTES) * logits,
+               (e + CROSS_ENTROPY_BWD_FP32_BYTES) * logits),
     ]
 
 
 def embedding_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """Token (and position) embedding lookup and dropout (first stage)."""
+    """Token (and position) embedding lookup and dropout (first stage). In
+    eager PyTorch (graph_costs.node_kernel) a lookup reads its rows and
+    writes them, and its backward writes the whole table's gradient; the
+    learned positions are looked up once for the batch and added."""
     e = plan.precision.elem_bytes
-    n = local_tokens(model, plan) * model.hidden
+    tokens = local_tokens(model, plan)
+    n = tokens * model.hidden
     mask = 1 if model.dropout else 0
-    return [_stream("embedding", (4 * e + mask) * n, (3 * e + mask) * n)]
+    if plan.kernels is Kernels.EAGER:
+        table = padded_vocab(model, plan) * model.hidden / plan.tp
+        out = [stream("embedding", 2 * e * n + TARGET_BYTES * tokens, e * (table + n) + TARGET_BYTES * tokens)]
+        if not model.swiglu:  # learned positions, added to every sequence
+            pos = model.seq / plan.cp * model.hidden
+            out += [stream("position-embedding", 2 * e * pos, 2 * e * pos),
+                    stream("add", e * (2 * n + pos), e * (2 * n + pos))]
+        if model.dropout:
+            out.append(stream("dropout", 2 * e * n, 2 * e * n))
+        return out
+    return [stream("embedding", (4 * e + mask) * n, (3 * e + mask) * n)]
 
 
 # --- time -----------------------------------------------------------------------------
@@ -338,12 +356,13 @@ class Fabric:
     cp: AxisLinks
     tp: AxisLinks
     algorithm: Algorithm
+    cluster: Cluster
 
     @classmethod
     def make(cls, plan: "TrainingPlan", cluster: Cluster) -> "Fabric":
         pp, _, cp, tp = axis_links(cluster, plan.mesh_shape)
         grads = axis_links(cluster, (plan.pp, plan.dp * plan.cp, plan.tp))[1]
-        return cls(pp, grads, cp, tp, Algorithm.BEST if cluster.backend == "nccl" else Algorithm.RING)
+        return cls(pp, grads, cp, tp, Algorithm.BEST if cluster.backend == "nccl" else Algorithm.RING, cluster)
 
     def time(self, kind: Collective, nbytes: float, axis: str) -> float:
         return collective_time(kind, nbytes, getattr(self, axis), self.algorithm)
@@ -383,36 +402,93 @@ def kernel_times(kernels: list[Kernel], plan: TrainingPlan, cluster: Cluster, re
     return PassTimes(sum(fwd), rerun, bwd)
 
 
-def tp_layer_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) -> PassTimes:
-    """Tensor-parallel collectives of one layer per microbatch: an all-reduce of
-    the b x s x h activation after the attention and MLP blocks (forward) and
-    before them (backward); with sequence parallelism each is a reduce-scatter
-    plus an all-gather of the same buffer (Korthikanti et al. 2022)."""
+TP_OVERLAP_SPLITS = 4
+"""Chunks a reduce-scatter overlapped with the GEMM before it is split into
+(Transformer Engine's userbuffers, "pipeline" method, the default for
+proj_fprop and fc2_fprop: num_splits 4); the all-gathers ("ring_exchange",
+qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad) go in tp chunks, one per peer
+(transformer_engine/pytorch/module/base.py, initialize_ub, get_default_config)."""
+TP_OVERLAP_SMS = 16
+"""Multiprocessors a "pipeline" or "bulk" overlap takes from the GEMM beside
+it (num_sm 16, with the GEMM launched on the rest: set_sm_margin; same
+source); the ring exchanges copy with the copy engines (use_ce) on 1 SM."""
+
+
+def tp_layer_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, gemms: dict | None = None,
+                  device=None) -> PassTimes:
+    """Exposed tensor-parallel collectives of one layer per microbatch: an
+    all-reduce of the b x s x h activation after the attention and MLP blocks
+    (forward) and before them (backward); with sequence parallelism each is a
+    reduce-scatter plus an all-gather of the same buffer (Korthikanti et al.
+    2022). With ``tp_comm_overlap`` (``gemms``: the layer's forward GEMM times
+    by kernel name) each of those collectives is pipelined with the GEMM it
+    feeds or drains (overlap.chunked_overlap): forward, the all-gathers before
+    the QKV and MLP-in GEMMs in tp chunks and the reduce-scatters after the
+    attention-out and MLP-out GEMMs in TP_OVERLAP_SPLITS; backward, the
+    all-gathers of the output gradient before the row-parallel GEMMs' input
+    gradients, and the reduce-scatters of the column-parallel GEMMs' input
+    gradients beside their weight-gradient GEMMs. A GEMM that shares its
+    multiprocessors with a reduce-scatter (TP_OVERLAP_SMS of
+    Device.multiprocessors) runs that much slower, which is exposed too."""
     nbytes = plan.precision.elem_bytes * local_tokens(model, plan) * model.hidden
-    if plan.sequence_parallel:
-        one = (fabric.time(Collective.REDUCE_SCATTER, nbytes, "tp")
-               + fabric.time(Collective.ALL_GATHER, nbytes, "tp"))
-    else:
+    if not plan.sequence_parallel:
         one = fabric.time(Collective.ALL_REDUCE, nbytes, "tp")
-    rerun = 2 * one if plan.recompute is Recompute.FULL else 0.0
-    return PassTimes(2 * one, rerun, 2 * one)
+        rerun = 2 * one if plan.recompute is Recompute.FULL else 0.0
+        return PassTimes(2 * one, rerun, 2 * one)
+    ag, rs = (fabric.time(kind, nbytes, "tp") for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
+    if not plan.tp_comm_overlap:
+        fwd = bwd = 2 * (ag + rs)
+    else:
+        sms = getattr(device, "multiprocessors", 0)
+        margin = TP_OVERLAP_SMS / (sms - TP_OVERLAP_SMS) if sms > TP_OVERLAP_SMS else 0.0
+        t = plan.tp
+        fwd = bwd = 0.0
+        for into, out in (("qkv", "attention-out"), ("mlp-in", "mlp-out")):
+            g_in, g_out = gemms[into], gemms[out]
+            fwd += chunked_overlap(ag, g_in, t) + chunked_overlap(rs, g_out * (1 + margin), TP_OVERLAP_SPLITS) \
+                + g_out * margin
+            bwd += chunked_overlap(ag, g_out, t) + prefetched(rs, g_in * (1 + margin)) + g_in * margin
+    rerun = fwd if plan.recompute is Recompute.FULL else 0.0
+    return PassTimes(fwd, rerun, bwd)
 
 
 def tp_head_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) -> PassTimes:
     """The vocab-parallel output layer: three all-reduces of b x s fp32 scalars in
     the cross entropy (max, sum, target logit), and the input-gradient all-reduce
-    (sequence parallel: an all-gather forward, a reduce-scatter backward)."""
+    (sequence parallel: an all-gather forward, a reduce-scatter backward).
+    Eager PyTorch has no vocabulary-parallel cross entropy: the logits are
+    all-gathered for it (its gradient is sliced back, no collective)."""
+    if plan.tp == 1:
+        return PassTimes(0.0, 0.0, 0.0)
     tokens = local_tokens(model, plan)
-    scalars = 3 * fabric.time(Collective.ALL_REDUCE, 4 * tokens, "tp")
     nbytes = plan.precision.elem_bytes * tokens * model.hidden
+    if plan.kernels is Kernels.EAGER:
+        scalars = fabric.time(Collective.ALL_GATHER, plan.precision.elem_bytes * tokens * padded_vocab(model, plan),
+                              "tp")
+    else:
+        scalars = 3 * fabric.time(Collective.ALL_REDUCE, 4 * tokens, "tp")
     if plan.sequence_parallel:
         return PassTimes(scalars + fabric.time(Collective.ALL_GATHER, nbytes, "tp"), 0.0,
                          fabric.time(Collective.REDUCE_SCATTER, nbytes, "tp"))
     return PassTimes(scalars, 0.0, fabric.time(Collective.ALL_REDUCE, nbytes, "tp"))
 
 
+def tp_embedding_comm(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric) -> PassTimes:
+    """The vocab-parallel embedding: each rank looks up the tokens its share of
+    the vocabulary holds and the partial sums are all-reduced (sequence
+    parallel: reduce-scattered to the sequence shards, their gradient
+    all-gathered back)."""
+    if plan.tp == 1:
+        return PassTimes(0.0, 0.0, 0.0)
+    nbytes = plan.precision.elem_bytes * local_tokens(model, plan) * model.hidden
+    if plan.sequence_parallel:
+        return PassTimes(fabric.time(Collective.REDUCE_SCATTER, nbytes, "tp"), 0.0,
+                         fabric.time(Collective.ALL_GATHER, nbytes, "tp"))
+    return PassTimes(fabric.time(Collective.ALL_REDUCE, nbytes, "tp"), 0.0, 0.0)
+
+
 def cp_layer_comm(model: TransformerConfig, plan: TrainingPlan, attention: PassTimes,
-                  fabric: Fabric) -> PassTimes:
+                  fabric: Fabric, raw: bool = False) -> PassTimes:
     """Context parallelism's ring attention in one layer per microbatch: cp - 1
     steps, each passing a chunk of keys and values (b s/cp kv_hidden/t each)
     to the next GPU while attention computes on the chunk in hand, so only
@@ -422,6 +498,8 @@ def cp_layer_comm(model: TransformerConfig, plan: TrainingPlan, attention: PassT
         return PassTimes(0.0, 0.0, 0.0)
     chunk = 2 * plan.precision.elem_bytes * local_tokens(model, plan) * model.kv_hidden / plan.tp
     ring = (plan.cp - 1) * fabric.time(Collective.SEND_RECV, chunk, "cp")
+    if raw:  # the ring's traffic, hidden or not
+        return PassTimes(ring, ring if plan.recompute is not Recompute.NONE else 0.0, 2 * ring)
     exposed = lambda comm, under: max(0.0, comm - under)  # noqa: E731
     return PassTimes(exposed(ring, attention.forward),
                      exposed(ring, attention.recompute) if attention.recompute else 0.0,
@@ -451,6 +529,11 @@ class StageTime:
     tp_comm: PassTimes
     pp_comm: float
     cp_comm: PassTimes = PassTimes(0.0, 0.0, 0.0)
+    tp_hidden: PassTimes = PassTimes(0.0, 0.0, 0.0)
+    """Tensor-parallel traffic that runs under the GEMMs (``tp_comm_overlap``):
+    off the critical path, but on its link."""
+    cp_hidden: PassTimes = PassTimes(0.0, 0.0, 0.0)
+    """Context-parallel traffic that runs under the attention."""
 
     @property
     def total(self) -> float:
@@ -460,24 +543,37 @@ class StageTime:
 def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, fabric: Fabric) -> list[StageTime]:
     """Per-microbatch time of every pipeline stage (the first adds the embedding, the last the output layer)."""
     layers = stage_layers(model, plan)
-    layer = kernel_times(layer_kernels(model, plan), plan, cluster, recompute=True)
-    layer_comm = tp_layer_comm(model, plan, fabric)
-    ring = cp_layer_comm(model, plan, kernel_times(attention_kernels(model, plan), plan, cluster, recompute=True),
-                         fabric)
+    kernels = layer_kernels(model, plan)
+    layer = kernel_times(kernels, plan, cluster, recompute=True)
+    gemms = {k.name: k.seconds(cluster.device, plan.precision.value)[0] for k in kernels if k.matmul}
+    if "q" in gemms:  # eager: q, k, v as three GEMMs; SwiGLU's gate and up as two
+        gemms["qkv"] = gemms["q"] + gemms["k"] + gemms["v"]
+    if "mlp-gate" in gemms:
+        gemms["mlp-in"] = gemms["mlp-gate"] + gemms["mlp-up"]
+    layer_comm = tp_layer_comm(model, plan, fabric, gemms, cluster.device)
+    tp_raw = tp_layer_comm(model, dataclasses.replace(plan, tp_comm_overlap=False), fabric)
+    attention = kernel_times(attention_kernels(model, plan), plan, cluster, recompute=True)
+    ring = cp_layer_comm(model, plan, attention, fabric)
+    ring_raw = cp_layer_comm(model, plan, PassTimes(0.0, 0.0, 0.0), fabric, raw=True)
     embed = kernel_times(embedding_kernels(model, plan), plan, cluster, recompute=False)
     head = kernel_times(head_kernels(model, plan), plan, cluster, recompute=False)
     head_comm = tp_head_comm(model, plan, fabric)
-    # Each virtual chunk receives its input and sends its output once forward
-    # and once backward per microbatch.
-    p2p = 2 * plan.virtual_stages * pp_transfer(model, plan, fabric)
+    # Each virtual chunk waits for what it receives once forward (its input)
+    # and once backward (its output's gradient) per microbatch; the first
+    # chunk receives no input and the last no gradient (the send is the
+    # receiver's wait, counted once: pipeline/stages.py prices a stage alike).
+    transfer = pp_transfer(model, plan, fabric)
     out = []
     for i, n in enumerate(layers):
         compute, comm = layer * n, layer_comm * n
         if i == 0:
-            compute = compute + embed
+            compute, comm = compute + embed, comm + tp_embedding_comm(model, plan, fabric)
         if i == plan.pp - 1:
             compute, comm = compute + head, comm + head_comm
-        out.append(StageTime(compute, comm, p2p, ring * n))
+        hidden = lambda raw, exposed: PassTimes(*(max(0.0, a - b) for a, b in zip(  # noqa: E731
+            (raw.forward, raw.recompute, raw.backward), (exposed.forward, exposed.recompute, exposed.backward))))
+        p2p = (2 * plan.virtual_stages - (i == 0) - (i == plan.pp - 1)) * transfer
+        out.append(StageTime(compute, comm, p2p, ring * n, hidden(tp_raw, layer_comm) * n, hidden(ring_raw, ring) * n))
     return out
 
 
@@ -497,13 +593,70 @@ def stage_params(model: TransformerConfig, plan: TrainingPlan, stage: int) -> fl
     return n
 
 
-def _bucketed(kind: Collective, nbytes: float, fabric: Fabric) -> tuple[float, float]:
-    """(total seconds, seconds of the last bucket) to reduce ``nbytes`` over dp in GRAD_BUCKET_BYTES buckets."""
+def _grad_sync(kind: Collective, nbytes: float, fabric: Fabric) -> float:
+    """Seconds to reduce ``nbytes`` of gradients over dp in GRAD_BUCKET_BYTES
+    buckets (a share of a bucket for less than one)."""
     if nbytes <= 0:
-        return 0.0, 0.0
+        return 0.0
+    if nbytes < GRAD_BUCKET_BYTES:
+        return nbytes / GRAD_BUCKET_BYTES * fabric.time(kind, GRAD_BUCKET_BYTES, "dp")
     full, rest = divmod(nbytes, GRAD_BUCKET_BYTES)
-    last = fabric.time(kind, rest or GRAD_BUCKET_BYTES, "dp")
-    return full * fabric.time(kind, GRAD_BUCKET_BYTES, "dp") + (last if rest else 0.0), last
+    return full * fabric.time(kind, GRAD_BUCKET_BYTES, "dp") + (fabric.time(kind, rest, "dp") if rest else 0.0)
+
+
+def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fabric: Fabric) -> float:
+    """Seconds to gather or reduce ``tensors`` (parameters each) over dp: one
+    collective per tensor in eager PyTorch, as a compiled plan lists and
+    prices them (one per tensor, before bucketing); in GRAD_BUCKET_BYTES
+    buckets where the kernels are Megatron-LM's."""
+    if plan.kernels is Kernels.EAGER:
+        return sum(fabric.time(kind, k * e, "dp") for k in tensors)
+    return _grad_sync(kind, sum(tensors) * e, fabric)
+
+
+def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> tuple[list, list]:
+    """(the weight tensors' parameters, backward seconds) of the first pipeline
+    stage's kernels in forward order, one microbatch: each weight GEMM's
+    matrix and bias, each norm's scale and shift, the embedding's tables,
+    the output layer's own weights (a tied one's gradient joins the
+    embedding's). A gradient is made, and can be reduced, once its
+    kernel's backward has run; the kernels before it are what is left to
+    hide it (overlap.exposed_sync)."""
+    t, h = plan.tp, model.hidden
+    device, dtype = cluster.device, plan.precision.value
+    norm = h if model.swiglu else 2 * h
+    bias = model.biases
+
+    def weights(k: Kernel) -> list:
+        """The weight tensors a kernel reads: a GEMM's matrix and bias, a norm's scale and shift."""
+        if k.matmul and not k.attention_core and len(k.shape) == 4 and k.name != "logits":
+            _, _, rows, cols = k.shape
+            return [rows * cols] + ([cols] if bias else [])
+        return [h] * (norm // h) if "norm" in k.name else []
+
+    def backward(k: Kernel, recomputed: bool) -> float:
+        f, b = k.seconds(device, dtype)
+        return b + (f if recomputed else 0.0)
+
+    full = plan.recompute is Recompute.FULL
+    table = padded_vocab(model, plan) * h / t
+    params, seconds = [], []
+    for i, k in enumerate(embedding_kernels(model, plan)):
+        params.append([table] if i == 0 else [])
+        seconds.append(backward(k, False))
+    if not model.swiglu:  # learned positions
+        params[1 if len(params) > 1 else 0].append(model.seq * h)
+    layer = layer_kernels(model, plan)
+    for _ in range(stage_layers(model, plan)[0]):
+        for k in layer:
+            params.append(weights(k))
+            seconds.append(backward(k, full or (plan.recompute is Recompute.SELECTIVE and k.attention_core)))
+    if plan.pp == 1:
+        for k in head_kernels(model, plan):
+            params.append(weights(k) if "norm" in k.name else
+                          ([table] if k.name == "logits" and model.untied_embeddings else []))
+            seconds.append(backward(k, False))
+    return params, seconds
 
 
 def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> float:
@@ -511,70 +664,128 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     last to finish its backward).
 
     ZeRO 0: all-reduce the gradients; 1-2: reduce-scatter them, then all-gather
-    the updated parameters after the optimizer step (not overlapped); 3: per
-    microbatch, all-gather each layer's parameters for forward (and recompute)
-    and backward and reduce-scatter its gradients, each prefetched under the
-    previous layer's compute. With overlap the buckets hide under the
-    backward compute, and under the tensor-parallel collectives where those
-    run on another link (AxisLinks.shares_link). Without overlap the
-    gradients go in one collective over the whole flat buffer after the
-    backward."""
+    the updated parameters after the optimizer step (under the next forward
+    with ``overlap_param_gather``); 3: per microbatch, all-gather each layer's
+    parameters for forward (and recompute) and backward and reduce-scatter its
+    gradients (``zero3_exposed``). With ``overlap_grad_reduce`` each layer's
+    gradients go in buckets as the last microbatch's backward makes them and
+    hide under the backward compute of the layers before it
+    (overlap.exposed_sync); the time another link's collectives stall the
+    compute counts as hiding time (tensor parallelism on NVLink while the
+    gradients cross nodes), and traffic on the same link takes its share of it
+    (shared links: tensor-parallel collectives on one node's NVSwitch, or the
+    pipeline's transfers between nodes). Without overlap the gradients go in
+    one collective over the whole flat buffer after the backward."""
     e = plan.precision.elem_bytes
     if plan.dp * plan.cp == 1:
         return 0.0
-    params = stage_params(model, plan, 0)
     if plan.zero == 3:
-        return _zero3_exposed(model, plan, fabric, stage)
+        return zero3_exposed(model, plan, fabric, stage)
+    params = stage_params(model, plan, 0)
     kind = Collective.ALL_REDUCE if plan.zero == 0 else Collective.REDUCE_SCATTER
     if plan.overlap_grad_reduce:
-        total, last = _bucketed(kind, params * e, fabric)
-        window = stage.compute.backward + stage.compute.recompute
-        if not fabric.tp.shares_link(fabric.dp):  # e.g. tp on NVLink, dp between nodes: both run at once
-            window += stage.tp_comm.backward + stage.tp_comm.recompute
-        exposed = max(total - window, last)
+        pieces, bwd = _param_chain(model, plan, fabric.cluster)
+        syncs = [_collectives(kind, k, e, plan, fabric) for k in pieces]
+        busy, stalled = _dp_link_traffic(plan, fabric, stage)
+        busy_at = [b > 0 for b in bwd]  # other links' collectives stall the compute, not the sync, all along
+        bwd = [b + stalled / max(1, sum(busy_at)) * at for b, at in zip(bwd, busy_at)]
+        exposed = exposed_sync(syncs, bwd, busy)
     else:
         exposed = fabric.time(kind, params * e, "dp")
+    if plan.zero in (1, 2) and plan.kernels is Kernels.EAGER:  # each weight gathered where it is used,
+        pieces = _param_chain(model, plan, fabric.cluster)[0]  # a recomputed layer's again for it
+        again = 2 if plan.recompute is Recompute.FULL else 1
+        layer = [False] * len(embedding_kernels(model, plan)) + [True] * (len(pieces) - len(embedding_kernels(
+            model, plan)) - (len(head_kernels(model, plan)) if plan.pp == 1 else 0))
+        layer += [False] * (len(pieces) - len(layer))
+        return exposed + sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) * (again if inside else 1)
+                             for k, inside in zip(pieces, layer))
     if plan.zero in (1, 2):
-        exposed += fabric.time(Collective.ALL_GATHER, params * e, "dp")
+        gather = _grad_sync(Collective.ALL_GATHER, params * e, fabric)
+        first = min(gather, fabric.time(Collective.ALL_GATHER, min(GRAD_BUCKET_BYTES, params * e), "dp"))
+        exposed += max(first, prefetched(gather, stage.compute.forward)) if plan.overlap_param_gather else gather
     return exposed
 
 
-def _zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> float:
-    sharded, replicated = model.layer_params()
-    layer_bytes = (sharded / plan.tp + replicated) * plan.precision.elem_bytes
-    gather = fabric.time(Collective.ALL_GATHER, layer_bytes, "dp")
-    scatter = fabric.time(Collective.REDUCE_SCATTER, layer_bytes, "dp")
+def _dp_link_traffic(plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> tuple[float, float]:
+    """(seconds the data-parallel sync's link carries other traffic that runs
+    under the compute, seconds other links' collectives stall the compute)
+    in the last microbatch's backward. A collective on the critical path
+    (tensor-parallel ones without overlap, the pipeline's transfers) stalls
+    the compute: on another link the sync goes on meanwhile, which is hiding
+    time; on the same link it does not, which is no hiding time. One that
+    runs under the compute (tensor-parallel traffic overlapped with the
+    GEMMs, context parallelism's ring under the attention) takes its share
+    of its link: on the sync's, its seconds are the sync's to wait (several
+    mesh axes driving one link at once)."""
+    busy = stalled = 0.0
+    for axis, exposed, hidden in (
+            ("tp", stage.tp_comm.backward + stage.tp_comm.recompute, stage.tp_hidden.backward + stage.tp_hidden.recompute),
+            ("cp", stage.cp_comm.backward + stage.cp_comm.recompute, stage.cp_hidden.backward + stage.cp_hidden.recompute),
+            ("pp", stage.pp_comm / 2, 0.0)):
+        if fabric.dp.shares_link(getattr(fabric, axis)):
+            busy += hidden
+        else:
+            stalled += exposed
+    return busy, stalled
+
+
+def zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> float:
+    """ZeRO-3's exposed gathers and reductions on the first stage: per layer
+    and microbatch an all-gather of its weights for forward, another for
+    backward (which a recomputed forward shares), and a reduce-scatter of its
+    gradients. With ``overlap_param_gather`` each is prefetched one layer
+    ahead, under the compute of the layer before (FSDP's forward and backward
+    prefetch); in backward the all-gather and the reduce-scatter of the layer
+    behind cross the same link at once. Without it the gathers block the
+    compute that needs them and only the reduce-scatters hide, behind the
+    backward compute left to run (``exposed_sync``), as autopar's runtime
+    runs them. At fixed global batch the bytes per GPU do not shrink as data
+    parallelism grows while the compute per GPU does, so past the point
+    where they cross the step stops shrinking: the communication floor."""
+    e = plan.precision.elem_bytes
     n = stage_layers(model, plan)[0]
-    fwd, rec, bwd = (stage.compute.forward / n, stage.compute.recompute / n, stage.compute.backward / n)
-    exposed = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
-    if plan.recompute is Recompute.FULL:
-        exposed += max(0.0, gather - rec)
-    return n * plan.microbatches * exposed
+    if plan.overlap_param_gather:  # a layer's weights in one gather, one layer ahead (FSDP's unit: a block)
+        sharded, replicated = model.layer_params()
+        layer = (sharded / plan.tp + replicated) * e
+        g, r = fabric.time(Collective.ALL_GATHER, layer, "dp"), fabric.time(Collective.REDUCE_SCATTER, layer, "dp")
+        fwd, bwd = stage.compute.forward / n, (stage.compute.backward + stage.compute.recompute) / n
+        per_mb = n * (prefetched(g, fwd) + prefetched(g + r, bwd))
+        rest = stage_params(model, plan, 0) * e - n * layer  # embedding and head: gathered first, reduced last
+        per_mb += fabric.time(Collective.ALL_GATHER, rest, "dp") + fabric.time(Collective.REDUCE_SCATTER, rest, "dp")
+        return plan.microbatches * per_mb
+    pieces, bwd_chain = _param_chain(model, plan, fabric.cluster)
+    gather = sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces)
+    scatter = [_collectives(Collective.REDUCE_SCATTER, k, e, plan, fabric) for k in pieces]
+    return plan.microbatches * 2 * gather + (plan.microbatches - 1) * sum(scatter) + exposed_sync(scatter, bwd_chain)
 
 
 def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> float:
-    """Adam step on the largest stage's (ZeRO-sharded) parameters, memory-bound:
-    it reads the fp32 state (master weights, two moments: 12 bytes) and the
-    gradient and writes the state back, plus the 16-bit weights when mixed."""
-    e = plan.precision.elem_bytes
+    """The optimizer step on the largest stage's (ZeRO-sharded) parameters,
+    as optimizer.step_seconds prices it for a compiled plan too (fp32 state;
+    the fused update reads and writes each tensor once, torch.optim's
+    default makes a pass per op)."""
     largest = max(stage_params(model, plan, i) for i in range(plan.pp))
     params = largest / (plan.dp * plan.cp if plan.zero >= 1 else 1)
-    per_param = 12 + e + 12 + (e if plan.precision.mixed else 0)
-    return op_time(0.0, params * per_param, cluster.device, plan.precision.value)
+    return opt.step_seconds(params, plan.optimizer, cluster.device, cluster.backend == "gloo")
 
 
 # --- memory ------------------------------------------------------------------------------
 
 def model_state_bytes(params: float, plan: TrainingPlan) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes of ``params`` parameters
-    under the plan's ZeRO stage (Rajbhandari et al. 2020): mixed precision holds
-    2 + 2 + 12 bytes per parameter (16-bit weights and gradients; fp32 master
-    weights, momentum, variance), fp32 holds 4 + 4 + 8."""
-    e = plan.precision.elem_bytes
-    optimizer = 12 if plan.precision.mixed else 8
+    under the plan's ZeRO stage (Rajbhandari et al. 2020; optimizer.state_bytes,
+    a compiled plan's table too): mixed precision holds 2 + 2 + 12 bytes per
+    parameter for Adam (16-bit weights and gradients; fp32 master weights,
+    momentum, variance), fp32 holds 4 + 4 + 8. Eager ZeRO-2 is PyTorch's
+    (FSDP's SHARD_GRAD_OP, autopar's): the weights stored sharded, their
+    gathered copies kept until backward (stage_activation_bytes)."""
     nd = plan.dp * plan.cp  # the gradient group, which Megatron's distributed optimizer shards over
-    shard = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[plan.zero]
-    return e * params / shard[0], e * params / shard[1], optimizer * params / shard[2]
+    shards = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[plan.zero]
+    if plan.kernels is Kernels.EAGER and plan.zero == 2:
+        shards = (nd, nd, nd)  # stored sharded like FSDP's SHARD_GRAD_OP; the gathered copies are activations
+    held = opt.state_bytes(params, plan.precision.value, plan.optimizer, shards)
+    return held["parameters"], held["gradients"], held["optimizer"]
 
 
 def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompute: Recompute | None = None) -> float:
@@ -582,8 +793,10 @@ def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompu
     (Korthikanti et al. 2022: for the GPT block in 16-bit, s b h (34 + 5 a s / h)
     without parallelism, s b h (10 + 24/t + 5 a s/(h t)) with tensor
     parallelism, s b h (34/t + 5 a s/(h t)) with sequence parallelism, and
-    2 s b h with full recomputation)."""
+    2 s b h with full recomputation). Eager kernels: ``eager_layer_activation_bytes``."""
     recompute = plan.recompute if recompute is None else recompute
+    if plan.kernels is Kernels.EAGER:
+        return eager_layer_activation_bytes(model, plan, recompute)
     e, t = plan.precision.elem_bytes, plan.tp
     s, b, h, f = model.seq / plan.cp, plan.microbatch, model.hidden, model.ffn  # this GPU's share of a sequence
     r = t if plan.sequence_parallel else 1
@@ -606,6 +819,90 @@ def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompu
     return replicated + sharded + scores
 
 
+def eager_layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompute: Recompute) -> float:
+    """What autograd keeps of one eager layer per microbatch on one GPU, by
+    the rules a compiled plan's memory follows (graph_costs.saved_outputs):
+    each op keeps the inputs its backward reads (a norm and a GEMM their
+    input, GeLU its input, a product both, scaled_dot_product_attention its
+    q, k, v and output), an addition nothing, a view its base's storage, a
+    dropout its one-byte mask; the attention's output reaches the output
+    GEMM through a reshape of its transposed heads, a copy, kept too. Under tensor parallelism the inputs of the
+    column-parallel GEMMs are kept whole (the all-gathered copy, under
+    sequence parallelism too), the norm inputs on the sequence shard. Full
+    recomputation keeps the layer's input only."""
+    e, t = plan.precision.elem_bytes, plan.tp
+    tokens = local_tokens(model, plan)
+    h, f, kv = model.hidden, model.ffn, model.kv_hidden
+    full = tokens * h / (t if plan.sequence_parallel else 1)
+    if recompute is Recompute.FULL:
+        return e * full
+    norms = 2 * e * full + 2 * e * tokens * h  # the two norms' inputs (sharded) and outputs (gathered)
+    # q, k, v and the attention's output, and the copy the output GEMM reads (a reshape of the
+    # transposed heads copies)
+    attention = e * tokens * (3 * h + 2 * kv) / t
+    mlp = e * tokens * f / t * (4 if model.swiglu else 2)  # gate, up, silu, product / fc out, gelu out
+    masks = 2 * full if model.dropout else 0.0
+    return norms + attention + mlp + masks
+
+
+def _eager_working(model: TransformerConfig, plan: TrainingPlan, kernels: list[Kernel]) -> float:
+    """The largest working set of one eager kernel's backward among
+    ``kernels`` (graph_costs.backward_working_set): the gradient of its output
+    and of each floating input, the size of what the forward read and wrote;
+    cross entropy's twice the whole logits (its log-softmax's gradient and
+    its input's), the embedding's its table's gradient. A weight's gradient
+    reduced by an all-reduce is copied where it is reduced
+    (graph_costs.gradient_transient); a ZeRO weight's gathered gradient, and
+    for ZeRO-3 its regathered copy, is held at its GEMM too
+    (graph_costs.gather_transient)."""
+    e, nd = plan.precision.elem_bytes, plan.dp * plan.cp
+    tokens = local_tokens(model, plan)
+    best = 0.0
+    for k in kernels:
+        if k.name == "cross-entropy":  # on the whole vocabulary (tp_head_comm)
+            best = max(best, 2 * e * tokens * padded_vocab(model, plan))
+        elif k.name == "embedding":
+            best = max(best, k.bwd_bytes - TARGET_BYTES * tokens)
+        elif k.matmul and not k.attention_core:
+            weight = e * k.shape[2] * k.shape[3]
+            own = k.fwd_bytes + (weight if nd > 1 and plan.zero == 0 else 0.0)
+            gathered = weight * (2 if plan.zero == 3 else 1) if nd > 1 and plan.zero >= 2 else 0.0
+            best = max(best, own, gathered)
+        elif not k.attention_core or k.matmul:
+            best = max(best, k.fwd_bytes)
+    return best
+
+
+def _eager_peak(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
+    """What the eager activations add at their peak on ``stage``, on top of
+    every layer's kept activations, the largest over the points backward
+    passes (autopar/timeline.py): cross entropy's backward on the last stage
+    (the final norm's input and output and the gathered logits it keeps,
+    with its working set), the output GEMM's (the logits freed), or a
+    layer's (its working set; under full recomputation also the layer's
+    activations, rebuilt)."""
+    e, t = plan.precision.elem_bytes, plan.tp
+    tokens = local_tokens(model, plan)
+    full = tokens * model.hidden / (t if plan.sequence_parallel else 1)
+    layer = _eager_working(model, plan, layer_kernels(model, plan))
+    if plan.recompute is Recompute.FULL:
+        layer += eager_layer_activation_bytes(model, plan, Recompute.NONE)
+        if plan.zero == 2 and plan.dp * plan.cp > 1:  # its weights, gathered again for its recomputation
+            sharded, replicated = model.layer_params()
+            layer += e * (sharded / t + replicated)
+    extra = 0.0
+    if stage == 0:  # the embedding dropout's mask; the table's gradient, written whole
+        extra = full if model.dropout else 0.0
+        layer = max(layer, _eager_working(model, plan, embedding_kernels(model, plan)))
+    if stage != plan.pp - 1:
+        return extra + layer
+    norm, logits, ce = head_kernels(model, plan)
+    base = e * full + e * tokens * model.hidden  # the final norm's input and output
+    at_loss = base + e * tokens * padded_vocab(model, plan) + _eager_working(model, plan, [ce])
+    at_logits = base + _eager_working(model, plan, [logits])
+    return extra + max(layer, at_loss, at_logits)
+
+
 def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
     """Activations held at the peak by one GPU of ``stage`` under 1F1B: stage i
     keeps p - i microbatches in flight (the first stage p), the interleaved
@@ -616,6 +913,14 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
     held = in_flight * stage_layers(model, plan)[stage] * layer_activation_bytes(model, plan)
     if stage == 0 and v > 1:
         held *= 1 + (p - 1) / (p * v)
+    if plan.kernels is Kernels.EAGER:
+        if plan.zero == 2 and plan.dp * plan.cp > 1:  # gathered weights, kept by the ops that read them
+            gathered = stage_params(model, plan, stage)  # (a recomputed layer's are gathered again for it)
+            if plan.recompute is Recompute.FULL:
+                sharded, replicated = model.layer_params()
+                gathered -= stage_layers(model, plan)[stage] * (sharded / plan.tp + replicated)
+            held += plan.precision.elem_bytes * gathered
+        return held + _eager_peak(model, plan, stage)
     if plan.recompute is not Recompute.NONE:
         held += layer_activation_bytes(model, plan, Recompute.NONE) - \
             (layer_activation_bytes(model, plan) if plan.recompute is Recompute.SELECTIVE else 0.0)
@@ -631,11 +936,20 @@ def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: 
 def peak_memory(model: TransformerConfig, plan: TrainingPlan) -> MemoryBreakdown:
     """The stage that needs the most: with even stages the first (most
     microbatches in flight, embedding) or the last (output layer); with
-    uneven ones it can be a middle stage."""
+    uneven ones it can be a middle stage. Gradients take their memory beside
+    the activations where they persist through the step (Megatron's
+    contiguous gradient buffer, accumulation over microbatches, a pipeline),
+    and as the activations are freed otherwise (optimizer.device_peak)."""
+    persistent = plan.kernels is Kernels.MEGATRON or plan.microbatches > 1 or plan.pp > 1
+    inputs = 2 * TARGET_BYTES * local_tokens(model, plan) if plan.kernels is Kernels.EAGER else 0.0
     best = None
     for stage in range(plan.pp):
-        params, grads, opt = model_state_bytes(stage_params(model, plan, stage), plan)
-        m = MemoryBreakdown(params, grads, opt, stage_activation_bytes(model, plan, stage), stage)
+        local = stage_params(model, plan, stage)
+        params, grads, state = model_state_bytes(local, plan)
+        updated = local / (plan.dp * plan.cp if plan.zero >= 1 else 1)
+        temp = opt.step_temporary_bytes(updated, plan.precision.value, plan.optimizer)
+        m = MemoryBreakdown(params, grads, state, stage_activation_bytes(model, plan, stage), stage, inputs, temp,
+                            persistent)
         if best is None or m.total > best.total:
             best = m
     return best

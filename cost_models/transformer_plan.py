@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from autopar.cost_models.cluster import Cluster
+from autopar.cost_models.optimizer import OPTIMIZER_STATES
 from autopar.errors import AutoparError
 
 
@@ -66,6 +67,20 @@ class AttentionKernel(str, Enum):
     def synchronous_mma(self) -> bool:
         """Written for Ampere's tensor-core instructions (Device.synchronous_mma_fraction)."""
         return self in (AttentionKernel.FLASH, AttentionKernel.FLASH1)
+
+
+class Kernels(str, Enum):
+    """Which kernels run the layer's element-wise work."""
+
+    MEGATRON = "megatron"
+    """Megatron-LM's fused kernels: bias + GeLU, bias + dropout + residual
+    add, fused layer norm, fused softmax and vocabulary-parallel cross
+    entropy in fp32 (Megatron-LM, NeMo, Megatron-DeepSpeed)."""
+    EAGER = "eager"
+    """One kernel per ATen op, as PyTorch eager runs a module written with
+    nn.Linear, nn.LayerNorm, F.gelu and F.scaled_dot_product_attention: what
+    autopar's emitted programs, FSDP and torchtitan without torch.compile
+    run, and what ``autopar compile`` prices op by op."""
 
 
 # --- the model and the plan --------------------------------------------------
@@ -223,6 +238,24 @@ class TrainingPlan:
     """Attention kernel."""
     overlap_grad_reduce: bool = True
     """Overlap the data-parallel gradient reduction with the last microbatch's backward."""
+    overlap_param_gather: bool = True
+    """Prefetch ZeRO's parameter all-gathers under compute: ZeRO-3 gathers a
+    layer's weights while the previous layer computes (FSDP's prefetching,
+    DeepSpeed's), ZeRO-1/2 gather the updated weights under the next
+    forward (Megatron-LM's ``--overlap-param-gather``). False: each gather
+    blocks the compute that needs it (autopar's runtime today)."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel collectives with the GEMMs next to them
+    (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers;
+    PyTorch's async TP): each all-gather and reduce-scatter is split into
+    chunks that pipeline with the GEMM they feed or drain
+    (overlap.chunked_overlap). Needs sequence parallelism."""
+    kernels: Kernels = Kernels.MEGATRON
+    """The element-wise kernels the layer runs (``Kernels``)."""
+    optimizer: str = "adamw-fused"
+    """The optimizer and its implementation (cost_models/optimizer.py):
+    Megatron-LM's fused Adam by default; ``adamw`` for torch.optim's
+    multi-tensor AdamW."""
 
     def __post_init__(self):
         for name in ("batch", "microbatch", "tp", "pp", "dp", "cp", "virtual_stages"):
@@ -233,6 +266,12 @@ class TrainingPlan:
         object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "attention", _enum(AttentionKernel, self.attention, "attention"))
+        object.__setattr__(self, "kernels", _enum(Kernels, self.kernels, "kernels"))
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise EstimateError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise EstimateError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.zero not in (0, 1, 2, 3):
             raise EstimateError(f"zero must be one of 0, 1, 2, 3, got {self.zero!r}")
 
@@ -296,6 +335,9 @@ def check_plan(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, n
         (plan.cp == 1 or model.seq % (2 * plan.cp) == 0,
          f"context parallelism splits each sequence in 2 * cp load-balanced chunks: seq ({model.seq}) must be "
          f"divisible by 2 * cp ({2 * plan.cp})"),
+        (not plan.tp_comm_overlap or plan.tp > 1 and plan.sequence_parallel,
+         f"--tp-comm-overlap overlaps the all-gathers and reduce-scatters of sequence parallelism with their "
+         f"GEMMs: it needs tp > 1 (tp is {plan.tp}) and --sequence-parallel"),
         (plan.cp == 1 or plan.attention is AttentionKernel.FLASH,
          f"context parallelism needs --attention flash (ring attention over FlashAttention-2); "
          f"--attention {plan.attention.value} has none"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from autopar.cost_models.graph_costs import is_view, kept_outputs, needs_grad, saved_outputs, saves_input
+from autopar.cost_models.graph_costs import is_view, kept_outputs, needs_grad, saved_outputs, saves_input, storage
 from autopar.errors import AutoparError
 from autopar.ir import Graph, NodeKind
 from autopar.passes.layer_classes import layer_of, layer_lists, parse_layer
@@ -55,7 +55,8 @@ class Recomputation:
         shares kept whatever the consumers' placements, the nodes kept only
         for consumers that save them as they read them)."""
         share, read = kept_outputs(graph)
-        return {**share, **dict.fromkeys(self.kept_inputs, 1.0)}, read - set(self.kept_inputs)
+        return {**share, **dict.fromkeys(self.kept_inputs, 1.0)}, \
+            {name for name in read if storage(graph, name) not in self.kept_inputs}
 
     def drops(self, name: str) -> bool:
         """Whether a node's activations are not kept through the step (they
@@ -207,15 +208,9 @@ def _checkpoint_inputs(graph: Graph, regions) -> frozenset:
         for name in region:
             for src in graph.nodes[name].inputs:
                 if src not in inside:
-                    base = _storage(graph, src)
+                    base = storage(graph, src)
                     if graph.nodes[base].kind is NodeKind.OP:
                         out.add(base)
     return frozenset(out)
 
 
-def _storage(graph: Graph, name: str) -> str:
-    """The node whose storage ``name`` shares (itself unless it is a view)."""
-    node = graph.nodes[name]
-    while node.kind is NodeKind.OP and is_view(node) and node.inputs:
-        node = graph.nodes[node.inputs[0]]
-    return node.name

@@ -44,18 +44,39 @@ def test_axis_across_nodes_is_slower_than_within_one(kind):
     assert collective_time(kind, 32e6, across) > collective_time(kind, 32e6, inside)
 
 
-def test_axis_spanning_both_levels_is_hierarchical():
+def test_axis_spanning_both_levels_is_one_flat_ring():
+    """A group of 8 devices on each of 4 nodes: NCCL's one ring through all 32
+    (31 steps: 28 NVLink hops, 3 network hops, each at its latency), the bytes at the
+    group's share of each node's network, its 8 devices' NICs; an all-reduce
+    is the faster of two such rings and the hierarchical reduction."""
+    from autopar.cost_models.collectives import _hierarchical_all_reduce, node_share
     (axis,) = axis_links(A100, (32,))
     assert (axis.intra, axis.inter) == (8, 4)
     nbytes = 256e6
-    (inside,) = axis_links(A100, (8,))
-    nodes, _ = axis_links(A100, (4, 8))
-    expected = (collective_time(Collective.REDUCE_SCATTER, nbytes, inside)
-                + collective_time(Collective.ALL_REDUCE, nbytes / 8, nodes)
-                + collective_time(Collective.ALL_GATHER, nbytes, inside))
-    assert collective_time(Collective.ALL_REDUCE, nbytes, axis) == pytest.approx(expected)
-    flat = dataclasses.replace(axis, intra=1, inter=32)  # the same group as one flat inter-node ring
+    assert node_share(axis) == min(A100.intra_node.bandwidth, 8 * A100.inter_node.bandwidth)
+    latency = 28 * A100.intra_node.latency + 3 * A100.inter_node.latency
+    assert collective_time(Collective.ALL_GATHER, nbytes, axis) == pytest.approx(
+        latency + 31 / 32 * nbytes / node_share(axis))
+    ring = 2 * collective_time(Collective.ALL_GATHER, nbytes, axis)
+    assert collective_time(Collective.ALL_REDUCE, nbytes, axis) == pytest.approx(ring)
+    assert collective_time(Collective.ALL_REDUCE, nbytes, axis, Algorithm.BEST) == pytest.approx(
+        min(ring, _hierarchical_all_reduce(nbytes, axis, Algorithm.TREE)))
+    flat = dataclasses.replace(axis, intra=1, inter=32)  # one device per node: one NIC's share
     assert collective_time(Collective.ALL_REDUCE, nbytes, axis) < collective_time(Collective.ALL_REDUCE, nbytes, flat)
+
+
+@pytest.mark.parametrize("devices_per_group", [1, 2, 4, 8])
+def test_a_group_crosses_nodes_at_its_members_share_of_the_network(devices_per_group):
+    """The per-device share of a node's NICs: 8 groups of one device per node
+    each cross at one NIC's share; one group of all 8 at the node's whole
+    network. Bandwidth-bound all-gathers of the same bytes per device then
+    take time inversely to the members per node (the ZeRO-3 group over all
+    of a node's devices is 8x one over one device per node)."""
+    from autopar.cost_models.collectives import node_share
+    # the outer axis of (16 k, 8 / k): members 8 / k apart, k of them on each of 16 nodes
+    axis = axis_links(A100, (16 * devices_per_group, 8 // devices_per_group))[0]
+    assert (axis.intra, axis.inter) == (devices_per_group, 16)
+    assert node_share(axis) == pytest.approx(devices_per_group * A100.inter_node.bandwidth)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 8)])
@@ -104,10 +125,22 @@ def test_presets_with_borrowed_efficiencies_say_so():
     has cost."""
     assert get_cluster("dgx-a100").caveat == "" and get_cluster("cpu").caveat == ""
     for name in ("dgx-h100", "h200"):
-        assert get_cluster(name).caveat.startswith("its GEMM efficiency is the A100's fit scaled by")
+        assert get_cluster(name).caveat.startswith("its GEMM efficiency and latency are its own, from published")
         assert "MosaicML's 52 published H100 runs" in get_cluster(name).caveat
     assert get_cluster("p3.16xlarge").caveat.startswith("its GEMM and memory efficiencies are the A100's fit")
     assert "no published V100 run" in get_cluster("p3.16xlarge").caveat
+
+
+def test_hopper_gemm_latency_is_calculons_h100_curve():
+    """The H100's fixed cost per GEMM puts the roofline's curve through
+    Calculon's H100 table (1 GFLOP at 0.6 of a large GEMM's efficiency), as
+    the A100's 3 us does through its A100 table."""
+    from autopar.cost_models.cluster import CALCULON_HALF_POINT, _gemm_latency
+    flops, fraction = CALCULON_HALF_POINT
+    for name, peak in (("dgx-a100", 312e12), ("dgx-h100", 989e12), ("h200", 989e12)):
+        dev = get_cluster(name).device
+        assert dev.gemm_latency == pytest.approx(_gemm_latency(peak, dev.gemm_efficiency), rel=0.08)
+        assert dev.gemm_curve(flops, "bf16") == pytest.approx(fraction * dev.gemm_efficiency, rel=0.05)
 
 
 def test_hopper_gemm_efficiency_is_the_a100s_scaled_by_measured_matmul_fractions():
@@ -569,17 +602,19 @@ def test_cpu_profile_is_calibrated():
 # --- the optimizer step of emitted programs -----------------------------------------------------
 
 @pytest.mark.parametrize("optimizer, ops, nbytes", [("adamw", 9, 80), ("adam", 8, 72), ("sgd", 1, 12),
-                                                    ("sgd-momentum", 3, 32)])
+                                                    ("sgd-momentum", 3, 32), ("adamw-fused", 1, 28),
+                                                    ("sgd-momentum-fused", 1, 20)])
 @pytest.mark.parametrize("cluster", ["cpu", "dgx-a100"])
 def test_optimizer_step_is_torch_optims_passes(optimizer, ops, nbytes, cluster):
     """torch.optim runs each op of its update as a pass over the tensors (AdamW:
-    80 bytes per fp32 element, not the 28 of one fused read-modify-write); on
-    CPU ranks it launches them parameter by parameter."""
+    80 bytes per fp32 element, not the 28 of one fused read-modify-write,
+    ``adamw-fused``); on CPU ranks it launches them parameter by parameter.
+    Both books price it with the same function (cost_models/optimizer.py)."""
     import torch
     from torch import nn
     import autopar
-    from autopar.cost_models.graph_costs import OPTIMIZER_PASSES, OPTIMIZER_STATES
-    assert set(OPTIMIZER_PASSES) == set(OPTIMIZER_STATES)
+    from autopar.cost_models.optimizer import FUSED_BYTES, OPTIMIZER_PASSES, OPTIMIZER_STATES
+    assert set(OPTIMIZER_PASSES) | set(FUSED_BYTES) == set(OPTIMIZER_STATES)
     model = nn.Linear(1000, 1000, bias=False)
     plan = autopar.compile(model, (torch.randn(4, 1000), torch.randn(4, 1000)), mesh="2", cluster=cluster,
                            loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
@@ -587,3 +622,29 @@ def test_optimizer_step_is_torch_optims_passes(optimizer, ops, nbytes, cluster):
     dev = get_cluster(cluster).device
     launches = ops * dev.op_latency if cluster == "cpu" else 0.0
     assert plan.predicted["optimizer_s"] == pytest.approx(launches + 1e6 * nbytes / dev.streaming_bandwidth)
+
+
+# --- overlap -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
+def test_chunked_overlap_hides_all_but_one_chunk_of_the_shorter(chunks):
+    """A collective of C seconds in n chunks pipelined with a GEMM of G: when
+    the GEMM is the longer, C / n shows; when the collective is, all of it
+    but G (n - 1) / n; one chunk hides nothing."""
+    from autopar.cost_models.overlap import chunked_overlap
+    assert chunked_overlap(2.0, 8.0, chunks) == pytest.approx(2.0 / chunks)
+    assert chunked_overlap(8.0, 2.0, chunks) == pytest.approx(8.0 - 2.0 * (chunks - 1) / chunks)
+    assert chunked_overlap(3.0, 0.0, chunks) == pytest.approx(3.0) and chunked_overlap(0.0, 5.0, chunks) == 0.0
+
+
+def test_exposed_sync_is_the_running_sum_and_shared_traffic_adds_to_it():
+    """Syncs launched as backward reaches each position hide under the
+    compute of the positions before it (timeline.SyncWindow's bound on a
+    chain); traffic that takes the same link (``busy``) adds to what must
+    cross it, second for second once the link is what bounds."""
+    from autopar.cost_models.overlap import exposed_sync
+    assert exposed_sync([1.0, 1.0, 1.0], [5.0, 5.0, 5.0]) == pytest.approx(1.0)  # the first layer's: nothing left
+    assert exposed_sync([4.0, 4.0, 4.0], [1.0, 1.0, 1.0]) == pytest.approx(12.0 - 2.0)
+    assert exposed_sync([4.0, 4.0, 4.0], [1.0, 1.0, 1.0], busy=3.0) == pytest.approx(12.0 - 2.0 + 3.0)
+    with pytest.raises(ValueError):
+        exposed_sync([1.0], [])

@@ -173,13 +173,48 @@ def test_recomputation_trades_time_for_memory():
     assert runs[Recompute.FULL].hardware_tflops_per_gpu > runs[Recompute.FULL].tflops_per_gpu
 
 
-@pytest.mark.parametrize("seq, exposed", [(4096, False), (128, True)])
-def test_zero3_gathers_hide_under_long_layers_only(seq, exposed):
-    model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=seq, vocab=51200)
-    z1 = _estimate(model, batch=64, dp=16, zero=1)
-    z3 = _estimate(model, batch=64, dp=16, zero=3)
-    assert z3.memory.parameters < z1.memory.parameters
-    assert (z3.time.dp_comm_s > z1.time.dp_comm_s) is exposed
+def test_zero3_at_fixed_global_batch_stops_scaling_once_communication_bound():
+    """ZeRO-3 (FSDP) of a 7B GPT at a fixed global batch of 2,048 sequences
+    as data parallelism grows from 16 to 2,048 A100s: every GPU gathers
+    every layer's weights in forward and again in backward and
+    reduce-scatters their gradients whatever the group's size, so its bytes
+    per GPU stay put while its compute shrinks as 1/d, and the ring's steps
+    grow with the group (collectives._flat_ring: 2,048 devices wait 1,792
+    NVLink hops and 255 network hops per collective). Compute-bound,
+    quadrupling d quarters the step; past the crossing the step stops
+    shrinking, and throughput per GPU falls steeply instead of staying flat.
+    The floor is each layer's gathers and reduction per microbatch."""
+    model = TransformerConfig(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200, no_dropout=True)
+    steps = {dp: estimate(model, TrainingPlan(batch=2048, microbatch=2048 // dp, dp=dp, zero=3), A100)
+             for dp in (16, 64, 256, 1024, 2048)}
+    step = {dp: est.step_time_s for dp, est in steps.items()}
+    assert step[64] / step[16] == pytest.approx(0.25, rel=0.02)  # compute-bound: linear
+    assert step[256] / step[64] == pytest.approx(0.25, rel=0.02)
+    assert step[2048] / step[1024] > 0.9  # communication-bound: no faster with twice the GPUs
+    fabric = Fabric.make(TrainingPlan(batch=2048, microbatch=1, dp=2048, zero=3), A100)
+    sharded, replicated = model.layer_params()
+    layer = 2 * (sharded + replicated)  # bytes of a layer's bf16 weights
+    floor = model.layers * (2 * fabric.time("all_gather", layer, "dp") + fabric.time("reduce_scatter", layer, "dp"))
+    assert step[2048] > floor
+    assert steps[2048].tokens_per_s_per_gpu < 0.5 * steps[16].tokens_per_s_per_gpu  # near-linear would keep it
+
+
+def test_zero3_gathers_hide_under_long_layers_only():
+    """Prefetched one layer ahead, a layer's gathers hide under a long
+    layer's compute and show under a short one's; blocking (as autopar's
+    runtime gathers today), they show either way."""
+    for seq, exposed in ((4096, False), (128, True)):
+        model = TransformerConfig(layers=8, hidden=4096, heads=32, seq=seq, vocab=51200)
+        z3 = _estimate(model, batch=64, dp=16, zero=3)
+        fabric = Fabric.make(TrainingPlan(batch=64, microbatch=1, dp=16, zero=3), A100)
+        sharded, replicated = model.layer_params()
+        gather = fabric.time("all_gather", 2 * (sharded + replicated), "dp")
+        layers = z3.time.dp_comm_s - _estimate(model, batch=64, dp=16, zero=3).time.dp_comm_s
+        assert layers == 0
+        stage = stage_times(model, TrainingPlan(batch=64, microbatch=1, dp=16, zero=3), A100, fabric)[0]
+        assert (gather > stage.compute.forward / model.layers) is exposed
+        blocking = _estimate(model, batch=64, dp=16, zero=3, overlap_param_gather=False)
+        assert blocking.time.dp_comm_s > z3.time.dp_comm_s + model.layers * gather
 
 
 def test_tensor_parallelism_across_nodes_is_slower():
@@ -191,10 +226,16 @@ def test_tensor_parallelism_across_nodes_is_slower():
 
 
 def test_concurrent_axes_share_a_link_only_on_the_same_level():
-    """Data-parallel buckets hide under backward compute, and under the
-    tensor-parallel collectives only where those run on another link: the
-    same 8 GPUs as one node (tp and dp on NVSwitch) expose more gradient sync
-    than as two nodes whose network is as fast (dp between nodes)."""
+    """Several mesh axes driving one link at once. The data-parallel sync
+    hides under the backward compute; a tensor-parallel collective on the
+    critical path stalls that compute, which is hiding time only where the
+    sync runs on another link (dp between nodes, tp on NVSwitch), and
+    tensor-parallel traffic overlapped with the GEMMs (--tp-comm-overlap)
+    takes its share of its link, which is the sync's to wait where they
+    share it. The same 8 GPUs as one node (tp and dp on NVSwitch) expose
+    more gradient sync than as two nodes whose network is as fast (dp
+    between nodes), and overlapping tp's traffic exposes more there still,
+    by as much as it hides, once the sync is what bounds."""
     one = dataclasses.replace(A100, name="one-node", devices_per_node=8)
     two = dataclasses.replace(A100, name="two-nodes", devices_per_node=4, inter_node=A100.intra_node)
     tp, dp = axis_links(one, (1, 2, 4))[1:][::-1]
@@ -202,10 +243,48 @@ def test_concurrent_axes_share_a_link_only_on_the_same_level():
     tp2, dp2 = axis_links(two, (1, 2, 4))[1:][::-1]
     assert not tp2.shares_link(dp2) and dp2.levels == {"inter"}
     model = TransformerConfig(layers=4, hidden=4096, heads=32, seq=128, vocab=51200)  # short: sync > compute
-    shared = _estimate(model, cluster=one, nodes=1, batch=2, tp=4, dp=2)
-    apart = _estimate(model, cluster=two, nodes=2, batch=2, tp=4, dp=2)
+    plan = dict(batch=2, tp=4, dp=2, sequence_parallel=True)
+    shared = _estimate(model, cluster=one, nodes=1, **plan)
+    apart = _estimate(model, cluster=two, nodes=2, **plan)
     assert shared.time.tp_comm_s == pytest.approx(apart.time.tp_comm_s)
     assert shared.time.dp_comm_s > apart.time.dp_comm_s
+    overlapped = dict(plan, tp_comm_overlap=True)
+    shared_o, apart_o = (_estimate(model, cluster=c, nodes=k, **overlapped) for c, k in ((one, 1), (two, 2)))
+    stage = stage_times(model, TrainingPlan(microbatch=1, **overlapped), one,
+                        Fabric.make(TrainingPlan(microbatch=1, **overlapped), one))[0]
+    hidden = stage.tp_hidden.backward + stage.tp_hidden.recompute
+    assert hidden > 0 and shared_o.time.tp_comm_s < shared.time.tp_comm_s  # the overlap hides tp traffic
+    assert shared_o.time.dp_comm_s - shared.time.dp_comm_s == pytest.approx(hidden, rel=1e-6)
+    assert apart_o.time.dp_comm_s >= apart.time.dp_comm_s  # apart it only loses the stall it hid under
+
+
+def test_tensor_parallel_overlap_hides_collectives_under_their_gemms():
+    """--tp-comm-overlap (Megatron-Core, Transformer Engine's userbuffers)
+    on GPT-3 175B's layers at t = 8 on H100s: each all-gather pipelined in
+    tp chunks with the GEMM it feeds, each reduce-scatter in 4 with the GEMM
+    it drains (whose 132 SMs lose 16 to it), so what is exposed follows
+    overlap.chunked_overlap; the step is faster, and the option needs
+    sequence parallelism, as Megatron's does."""
+    from autopar.cost_models.overlap import chunked_overlap
+    from autopar.cost_models.transformer import tp_layer_comm
+    h100 = get_cluster("dgx-h100")
+    model = TransformerConfig(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    base = TrainingPlan(batch=1536, microbatch=1, tp=8, pp=8, dp=16, virtual_stages=3, sequence_parallel=True,
+                        recompute="selective")
+    plan = dataclasses.replace(base, tp_comm_overlap=True)
+    fabric = Fabric.make(plan, h100)
+    gemms = {k.name: k.seconds(h100.device, "bf16")[0] for k in layer_kernels(model, plan) if k.matmul}
+    nbytes = 2 * model.seq * model.hidden
+    ag, rs = fabric.time("all_gather", nbytes, "tp"), fabric.time("reduce_scatter", nbytes, "tp")
+    slower = 16 / (132 - 16)
+    expected = sum(chunked_overlap(ag, gemms[into], 8) + chunked_overlap(rs, gemms[out] * (1 + slower), 4)
+                   + gemms[out] * slower for into, out in (("qkv", "attention-out"), ("mlp-in", "mlp-out")))
+    assert tp_layer_comm(model, plan, fabric, gemms, h100.device).forward == pytest.approx(expected)
+    assert tp_layer_comm(model, base, fabric).forward == pytest.approx(2 * (ag + rs))
+    on, off = estimate(model, plan, h100), estimate(model, base, h100)
+    assert on.time.tp_comm_s < 0.5 * off.time.tp_comm_s and on.step_time_s < off.step_time_s
+    with pytest.raises(EstimateError, match="--tp-comm-overlap .* needs tp > 1 .* and --sequence-parallel"):
+        estimate(model, dataclasses.replace(plan, sequence_parallel=False), h100)
 
 
 def test_megatron_table_mape():
@@ -303,30 +382,115 @@ def test_fsdp_runs_are_the_published_runs_and_short_sequences_on_the_a100_stay_c
     # these runs) keep it within 20% on average at every length.
     assert short <= 20.0 and long <= 20.0
     llama = [r.error for r in _validation_module().predict_other() if r.run.name.startswith("Llama 3 405B")]
-    assert " and ".join(f"{100 * e:+.0f}%".replace("+", "") for e in llama) in caveat
+    assert ", ".join(f"{100 * e:+.0f}%".replace("+", "") for e in llama) in caveat
     text = "\n".join(fsdp.fsdp_section(results) + fsdp.discussion(results))
     assert "h100_80gb (52 runs" in text and "faster on 8 H100s than on 8 A100s" in text
 
 
 def test_other_published_runs_are_the_published_models_and_stay_close():
     """The out-of-sample runs of docs/validation.md (BLOOM, Llama 3 405B and
-    70B, MT-NLG) are the published models (their parameter counts) on valid
-    plans; the
-    ones on Megatron-like runtimes stay within the acceptance's 20% per row
-    (Llama 3 on 16,384 H100s is the farthest, at about -18% with the assumed
-    interleaving depth v = 2; v = 4 gives -4%), and MT-NLG, whose
-    DeepSpeed pipeline the model does not price, is predicted faster than it
-    ran (the documented gap), never slower."""
+    70B, torchtitan's Llama 2 and 3, MT-NLG) are the published models (their
+    parameter counts) on valid plans, and stay within the acceptance's 25%
+    per row (Llama 3 on 16,384 H100s is the farthest of the Megatron-like
+    runtimes, at about -20% with the assumed interleaving depth v = 2), and
+    MT-NLG, whose DeepSpeed pipeline the model does not price, is predicted
+    faster than it ran (the documented gap), never slower."""
     validation = _validation_module()
     published = {"BLOOM": 176.247e9, "Llama 3 405B": 405_853_388_800, "Llama 3 70B": 70_553_706_496,
-                 "MT-NLG": 530e9}
+                 "Llama 2 13B": 13_015_864_320, "Llama 2 70B": 68_976_648_192, "MT-NLG": 530e9}
     for r in validation.predict_other():
         count = next(v for k, v in published.items() if r.run.name.startswith(k))
         assert r.run.model.parameters() == pytest.approx(count, rel=2e-3), r.run.name
         if r.run.name.startswith("MT-NLG"):
-            assert 0 < r.error < 0.30, r.run.name
+            assert 0 < r.error < 0.25, r.run.name
         else:
-            assert abs(r.error) <= 0.20, (r.run.name, r.error)
+            assert abs(r.error) <= 0.25, (r.run.name, r.error)  # issue 26's acceptance: no row beyond 25%
+
+
+# --- one accounting: estimate against the planner's books ----------------------------------------
+
+GPT_SHAPE = dict(layers=2, hidden=2048, heads=16, seq=1024, vocab=51200)
+"""GPT shapes (a 2048-wide GPT-3 XL layer, GPT-2's vocabulary padded as Megatron pads it), two layers: the
+per-layer books are what is compared, and two layers keep the compiles to seconds."""
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"autopar_examples_{name}", os.path.join(REPO, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _megatron_placements(model, tp: int, dp: int, zero: int) -> dict:
+    """A hand plan's parameter placements for examples/gpt.py: Megatron's column and row splits and the
+    vocabulary-parallel embedding and head over tp; replicated, or ZeRO-sharded over dp (trailing
+    "regather" for ZeRO-3)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = "R"
+        if tp > 1 and (name in ("tok.weight", "head.weight") or name.endswith(
+                ("q.weight", "k.weight", "v.weight", "fc.weight", "fc.bias"))):
+            t = "S(0)"
+        elif tp > 1 and name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            t = "S(1)"
+        d = "R"
+        if zero >= 2 and dp > 1 and not (t == "S(0)" and p.dim() == 1):
+            d = "S(1)" if t == "S(0)" else "S(0)"
+        out[name] = ([d] if dp > 1 else []) + ([t] if tp > 1 else []) + (["regather"] if zero == 3 and d != "R" else [])
+    return out
+
+
+@pytest.mark.parametrize("tp, dp, pp, zero, recompute, batch", [
+    (1, 8, 1, 0, "none", 16),
+    (1, 8, 1, 2, "none", 16),
+    (1, 8, 1, 3, "none", 16),
+    (1, 8, 1, 0, "full", 16),
+    (8, 1, 1, 0, "none", 2),
+    (4, 2, 1, 0, "none", 8),
+    (2, 4, 1, 3, "none", 16),
+    (1, 1, 2, 0, "none", 16),
+    (1, 1, 2, 0, "full", 16),
+])
+def test_estimate_and_a_pinned_compile_agree(tp, dp, pp, zero, recompute, batch):
+    """The acceptance of issue 26: for a GPT shape and a hand plan, ``autopar
+    estimate`` (eager kernels, torch.optim's AdamW, no prefetch: what
+    autopar's programs run) and the planner's own books agree within 2% on
+    step time and peak memory. The flat plans are priced by the ILP with
+    every weight and input pinned and the ops that read weights held to them
+    (autopar/pinned.py); the pipelines by ``autopar compile`` on a pp mesh
+    (one stage per device, 1F1B), their stage split taken as the estimate's."""
+    G = _example("gpt")
+    from autopar import compile as compile_plan
+    from autopar.pinned import compile_pinned
+    shape = dict(GPT_SHAPE, layers=GPT_SHAPE["layers"] * pp)  # a pipeline: two layers per stage
+    cfg = G.GPTConfig(vocab=shape["vocab"], seq=shape["seq"], hidden=shape["hidden"], heads=shape["heads"],
+                      layers=shape["layers"])
+    with torch.device("meta"):
+        model = G.GPT(cfg)
+        idx = torch.zeros(batch, cfg.seq, dtype=torch.long)
+    inputs = (idx, idx.clone())
+    first = last = None
+    if pp > 1:
+        microbatches = 4
+        plan = compile_plan(model, inputs, loss_fn=G.lm_loss, mesh=f"pp={pp}", cluster="dgx-a100",
+                            precision="bf16", recompute=recompute, microbatches=microbatches, schedule="1f1b")
+        first, *_, last = [sum(x.startswith("blocks.") for x in st["layers"]) for st in plan.pipeline["stages"]]
+    else:
+        microbatches = 1
+        mesh = ",".join(f"{n}={k}" for n, k in (("dp", dp), ("tp", tp)) if k > 1)
+        split = (["S(0)"] if dp > 1 else []) + (["R"] if tp > 1 else [])
+        plan = compile_pinned(model, inputs, loss_fn=G.lm_loss, mesh=mesh, cluster="dgx-a100", precision="bf16",
+                              recompute=recompute, parameter_placements=_megatron_placements(model, tp, dp, zero),
+                              input_placements={0: split, 1: split})
+    gpt = TransformerConfig(**shape, no_dropout=True, untied_embeddings=True)
+    est = estimate(gpt, TrainingPlan(
+        batch=batch, microbatch=batch // (dp * microbatches), tp=tp, dp=dp, pp=pp, zero=zero, recompute=recompute,
+        sequence_parallel=tp > 1, kernels="eager", optimizer="adamw", overlap_param_gather=False,
+        first_stage_layers=first, last_stage_layers=last), A100)
+    predicted = plan.predicted
+    assert est.step_time_s == pytest.approx(predicted["step_time_s"], rel=0.02)
+    assert est.peak_memory_bytes == pytest.approx(predicted["peak_memory_bytes"], rel=0.02)
 
 
 # --- plan validation ----------------------------------------------------------------------
@@ -491,7 +655,7 @@ def test_estimate_json_keys(capsys):
     assert estimate_main(args + ["--json"]) == 0
     captured = capsys.readouterr()
     caveat = json.loads(captured.out)["caveat"]
-    assert caveat.startswith("its GEMM efficiency is the A100's fit scaled") and caveat in captured.err
+    assert caveat.startswith("its GEMM efficiency and latency are its own") and caveat in captured.err
 
 
 def test_estimate_table_and_llama_flags(capsys):

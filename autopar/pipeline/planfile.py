@@ -221,7 +221,7 @@ def _predicted(cand: Candidate, cluster, mesh: Mesh) -> dict:
     peak_rank = max(range(cand.stages), key=lambda r: cand.device_memory[r])
     dtype = cand.profile.dtype if cand.profile else "fp32"
     return {"step_time_s": cand.step_s, "compute_s": cand.compute_s, "comm_s": cand.comm_s,
-            "bubble_s": cand.bubble_s, "sync_s": cand.sync_s, "peak_memory_bytes": cand.memory_bytes,
+            "bubble_s": cand.bubble_s, "sync_s": cand.sync_s, "optimizer_s": cand.optimizer_s, "peak_memory_bytes": cand.memory_bytes,
             "memory": dict(cand.device_memory_parts[peak_rank]), "peak_stage": peak_rank,
             "stage_memory_bytes": list(cand.device_memory), "stage_time_s": list(cand.device_time_s),
             "memory_capacity_bytes": cluster.device.memory, "model_flops": cand.flops,

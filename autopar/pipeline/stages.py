@@ -9,6 +9,7 @@ import numpy as np
 
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import optimizer_step_bytes
+from autopar.cost_models.optimizer import param_bytes, step_seconds
 from autopar.errors import AutoparError
 from autopar.pipeline.pricing import Profile
 
@@ -78,6 +79,8 @@ class Candidate:
     """Model FLOPs per step."""
     profile: Profile | None = field(default=None, repr=False)
     """The layer costs it was priced with."""
+    optimizer_s: float = 0.0
+    """The optimizer step of the device that updates the most (in ``step_s``)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -148,6 +151,16 @@ def _layer_arrays(prof: Profile, recompute: str, pipelined: bool, dp: int = 1):
 
 def _step_temp(prof: Profile, param_bytes: float) -> float:
     return optimizer_step_bytes(param_bytes, prof.ctx) if prof.ctx is not None else 0.0
+
+
+def _optimizer_s(prof: Profile, updated_bytes: float) -> float:
+    """The optimizer step over parameter shards of ``updated_bytes`` (their
+    weights), as a flat plan prices it (cost_models/optimizer.step_seconds)."""
+    ctx = prof.ctx
+    if ctx is None:
+        return 0.0
+    elements = updated_bytes / param_bytes(ctx.precision, ctx.optimizer)["parameters"]
+    return step_seconds(elements, ctx.optimizer, ctx.cluster.device, ctx.cluster.backend == "gloo")
 
 
 def _device_memory(state, grads, acts, temp, p: int) -> float:
@@ -289,11 +302,16 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
     per_mb = dev[slow]["time"]
     bubble = (p - 1) / v * per_mb
     sync = max(d["sync"] for d in dev)
-    step = m * per_mb + bubble + sync
+    # the optimizer state sharded over the data-parallel replicas and the submesh as a pipeline's is
+    # (ZeRO-1, the all-reduce's bytes), without a pipeline too: the flat plan may shard it likewise (ZeRO-2)
+    updated = [sum(lc.updated_bytes for c, (i, j) in enumerate(ranges) if c % p == r for lc in L[i:j]) / dp
+               for r in range(p)]
+    optimizer = max(_optimizer_s(prof, u) for u in updated)
+    step = m * per_mb + bubble + sync + optimizer
     flops = m * dp * sum(lc.flops for lc in L)
     return Candidate(p, tuple(prof.submesh.shape), dp, m, prof.microbatch, schedule, v, recompute, list(ranges),
                      chunk_time, [d["time"] for d in dev], memory, parts, step, m * dev[slow]["compute"],
-                     m * (per_mb - dev[slow]["compute"]) + sync, bubble, sync, flops, prof)
+                     m * (per_mb - dev[slow]["compute"]) + sync, bubble, sync, flops, prof, optimizer)
 
 
 def _schedules(schedule, p: int, m: int, n: int) -> list:
