@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
-from autopar.capture import Graph, NodeKind
+from autopar.capture import Graph, NodeKind, is_size
 from autopar.errors import AutoparError, PlanError
 from autopar.outputs import record_written, write_text
 from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
@@ -132,6 +132,9 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
     consumers = graph.consumers()
     done = set()
     for src in graph.gm.graph.nodes:
+        if src.op == "call_function" and is_size(src):
+            emit.size(main, env, src)
+            continue
         if src.name in done or (src.op == "call_function" and src.name not in graph.nodes):
             continue  # already emitted in a recomputed layer, or an export assertion
         if src.name not in region_of:
@@ -140,7 +143,9 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
         i = region_of[src.name]
         names = regions[i]
         inside = set(names)
-        externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside))
+        sizes = list(dict.fromkeys([*(a.name for n in names for a in emit.fx_nodes[n].all_input_nodes if is_size(a)),
+                                    *emit.symbols.values()]))  # a dynamic graph's sizes, for its shapes
+        externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside)) + sizes
         outputs = [n for n in names if any(c not in inside for c, _ in consumers[n])]
         sub, sub_env = fx.Graph(), {}
         for e in externals:
@@ -296,6 +301,78 @@ class _Emitter:
         self.ndim = plan.mesh.ndim
         self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
         self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
+        self.symbols = {n.meta["val"].node.expr: n.name for n in graph.gm.graph.nodes
+                        if n.op == "call_function" and is_size(n) and n.target is torch.ops.aten.sym_size.int}
+        """A graph captured with dynamic shapes (autopar/dynamic): each size symbol's node in the program."""
+
+    def size(self, g: fx.Graph, env: dict, src: fx.Node) -> None:
+        """A size of a dynamic graph (``aten.sym_size`` of an input, arithmetic
+        on sizes): computed in the program from the input it reads, whole (the
+        program takes the global batch), so every size an op is given is the
+        global one, as in a program of one size."""
+        if src.target is torch.ops.aten.sym_size.int:
+            x = src.args[0]
+            if x.op != "placeholder" or self.graph.nodes[x.name].kind is not NodeKind.INPUT or self.local_inputs:
+                raise PlanError(f"size {src.name} reads {x.name}: a dynamic program reads its sizes from its "
+                                "global inputs only (not with local_inputs=True)")
+            env[src.name] = g.call_function(torch.ops.aten.sym_size.int, (env[("raw", x.name)], *src.args[1:]))
+        else:
+            env[src.name] = g.node_copy(src, lambda a: env[a.name])
+        env[src.name].name = src.name
+
+    def _sizes(self, g: fx.Graph, env: dict, value) -> list:
+        """A (global) shape whose entries are ints or, in a dynamic graph, SymInts:
+        ints, and for each SymInt the program's expression for it."""
+        return [self._expr(g, env, d.node.expr) if isinstance(d, torch.SymInt) else int(d) for d in value]
+
+    def _expr(self, g: fx.Graph, env: dict, e):
+        import sympy
+        if e.is_Integer:
+            return int(e)
+        if e in self.symbols:
+            return env[self.symbols[e]]
+        key = ("size", str(e))
+        if key in env:
+            return env[key]
+        args = [self._expr(g, env, a) for a in e.args]
+        if isinstance(e, sympy.Add):
+            fn = operator.add
+        elif isinstance(e, sympy.Mul):
+            fn = operator.mul
+        elif isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+            args, fn = [args[0]] * int(e.exp), operator.mul
+        elif type(e).__name__ == "FloorDiv":
+            fn = operator.floordiv
+        else:
+            raise PlanError(f"cannot write the size {e} into the program ({type(e).__name__}); autopar plans sizes "
+                            "that are sums, products and floor divisions of the symbols")
+        out = args[0]
+        for a in args[1:]:
+            out = self._named(g.call_function(fn, (out, a)), f"size_{fn.__name__}_{len(env)}")
+        env[key] = out
+        return out
+
+    @staticmethod
+    def _named(node: fx.Node, name: str) -> fx.Node:
+        """A node the program adds, named apart from the captured graph's own names."""
+        node.name = name
+        return node
+
+    def _local(self, g: fx.Graph, env: dict, src: fx.Node, spec: str) -> list:
+        """The planned local shape of ``src``'s output: its global shape divided over the mesh."""
+        node, mesh = self.graph.nodes[src.name], self.plan.mesh
+        placements = parse_spec(spec, mesh.ndim)
+        local = list(local_shape(node.out.shape, placements, mesh.shape))  # checks that it divides
+        if not self.symbols:
+            return local
+        sizes = self._sizes(g, env, src.meta["val"].shape)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and not isinstance(sizes[p.dim], int):
+                sizes[p.dim] = self._named(g.call_function(operator.floordiv, (sizes[p.dim], mesh.shape[axis])),
+                                           f"{src.name}_local{p.dim}_{axis}")
+            elif isinstance(p, Shard):
+                sizes[p.dim] //= mesh.shape[axis]
+        return sizes
 
     def _made(self, g: fx.Graph, env: dict, name: str, spec: str, param: bool = False) -> None:
         """Value ``name`` (in ``env``) is made here: the sum of its partial gradients, if any."""
@@ -319,7 +396,12 @@ class _Emitter:
             elif node.kind is NodeKind.INPUT:
                 entry = self.inputs[src.name]
                 local = self.local_inputs or entry.get("local", False)
-                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, entry["shape"], local))
+                env[("raw", src.name)] = ph
+                shape = entry["shape"]
+                if self.symbols and not local:  # its sizes, read from it
+                    shape = [self._named(g.call_function(torch.ops.aten.sym_size.int, (ph, d)), f"{src.name}_size{d}")
+                             if isinstance(v, torch.SymInt) else int(v) for d, v in enumerate(src.meta["val"].shape)]
+                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, local))
                 env[src.name].name = f"{src.name}_s"
                 self._made(g, env, src.name, spec)
             else:
@@ -366,6 +448,8 @@ class _Emitter:
         keys = []
 
         def arg(a):
+            if is_size(a):
+                return env[a.name]
             i = next(counter)
             want = plan_node.input_specs[i]
             key = self._key(a.name, want)
@@ -381,8 +465,7 @@ class _Emitter:
         elif src.target in RANDOM_FACTORIES:
             new = g.call_function(spmd.random_factory, (src.name, src.target, *args), kwargs)
         elif src.target in RESHAPES:
-            mesh = self.plan.mesh
-            shape = list(local_shape(node.out.shape, parse_spec(plan_node.output_spec, mesh.ndim), mesh.shape))
+            shape = self._local(g, env, src, plan_node.output_spec)
             new = g.call_function(spmd.reshape, (src.name, src.target, args[0], shape))
         elif node.state_update:
             new = g.call_function(spmd.state_update, (src.name, src.target, strategy, *args), kwargs)
