@@ -15,7 +15,7 @@ from autopar.compiler import compile as compile_plan
 from autopar.errors import AutoparError
 from autopar.mesh import parse_mesh
 from autopar.plan import Plan
-from autopar.runtime import ParallelModule, agreed_plan, in_torchrun, init_distributed
+from autopar.runtime import ParallelModule, adopt, agreed_plan, in_torchrun, init_distributed
 
 
 def autoparallelize(model=None, example_inputs=None, *, mesh, cluster, loss_fn=None, plan: Plan | str | None = None,
@@ -189,12 +189,7 @@ class _PlainForward(nn.Module):
     def __init__(self, cls, instance):
         super().__init__()
         object.__setattr__(self, "_cls", cls)
-        for name, child in instance.named_children():
-            self.add_module(name, child)
-        for name, p in instance.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in instance.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+        adopt(self, instance)
         object.__setattr__(self, "_instance", instance)
 
     def forward(self, *inputs):
