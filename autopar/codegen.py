@@ -700,6 +700,16 @@ if __name__ == "__main__":
 '''
 
 
+DYNAMIC_ENTRY = ENTRY.replace(
+    "from rank_program import RankProgram  # noqa: E402\n", "").replace(
+    "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
+    "    # each piece's program (piece_<i>.py here) is rebuilt from the model, exactly as written; the\n"
+    "    # example batch runs the piece of its sizes\n"
+    "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
+    "                                     plan=plan)\n").replace(
+    "The model comes from", "Dynamic: one program per piece of sizes, piece_<i>.py. The model comes from")
+
+
 PIPELINE_ENTRY = ENTRY.replace(
     "from rank_program import RankProgram  # noqa: E402\n", "").replace(
     "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
@@ -709,10 +719,12 @@ PIPELINE_ENTRY = ENTRY.replace(
     "The model comes from", "Pipelined: each stage's program is in stage_<chunk>.py. The model comes from")
 
 
-def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None) -> str:
+def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None,
+                  pieces: dict | None = None) -> str:
     """Write rank_program.py (or, for a pipelined plan, ``stages``: chunk ->
-    its stage program, autopar.pipeline_runtime.stage_sources), plan.json and
-    train.py into ``out_dir``; return train.py's path."""
+    its stage program, autopar.pipeline_runtime.stage_sources; for a dynamic
+    plan, ``pieces``: piece index -> its program, autopar.dynamic.runtime.
+    piece_sources), plan.json and train.py into ``out_dir``; return train.py's path."""
     source = plan.model.get("source")
     if not source:
         raise PlanError("the plan does not name its model source (FILE.py:FACTORY); compile it with the CLI "
@@ -727,11 +739,19 @@ def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = 
         for chunk, text in stages.items():
             write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
         template = PIPELINE_ENTRY
+    elif plan.dynamic:
+        if pieces is None:
+            raise PlanError("a dynamic plan's program is one per piece: pass pieces= "
+                            "(autopar.dynamic.runtime.piece_sources)")
+        for i, text in pieces.items():
+            write_text(os.path.join(out_dir, f"piece_{i}.py"), text)
+        template = DYNAMIC_ENTRY
     else:
         write_text(os.path.join(out_dir, "rank_program.py"), program_source(build_program(graph, plan), plan))
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
     write_text(entry, template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
-    programs = [f"stage_{chunk}.py" for chunk in stages] if plan.pipeline else ["rank_program.py"]
+    programs = [f"stage_{chunk}.py" for chunk in stages] if plan.pipeline else \
+        [f"piece_{i}.py" for i in pieces] if plan.dynamic else ["rank_program.py"]
     record_written(out_dir, [*programs, "plan.json", "train.py"])
     return entry

@@ -387,11 +387,27 @@ def explain_main(argv=None) -> int:
                                  description="Why a node or parameter got its strategy: every candidate priced "
                                              "with its neighbours as planned")
     ap.add_argument("plan")
-    ap.add_argument("target", help="node name (autopar show --all), parameter fqn, or module path with one op")
+    ap.add_argument("target", nargs="?", help="node name (autopar show --all), parameter fqn, or module path with "
+                                               "one op")
     ap.add_argument("--source", help="FILE.py:FACTORY of the model, if not the one the plan names")
     ap.add_argument("--limit", type=int, default=12, help="candidates to list (default 12)")
+    ap.add_argument("--over", action="append", metavar="NAME=LOW..HIGH[:STEP]",
+                    help="the plan's pieces over a range of sizes and why they change (repeatable; compiles the "
+                         "model for the range where the plan does not cover it)")
+    ap.add_argument("--dims", action="append", metavar="NAME=INPUT.DIM,...", help="with --over: the input dims a "
+                                                                                    "symbol names (as compile's)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.over:
+            from autopar.dynamic.explain import explain_over
+            from autopar.dynamic.symbols import parse_dims, parse_range
+            over = dict(parse_range(t) for t in args.over)
+            dims = dict(parse_dims(t) for t in args.dims or []) or None
+            print(explain_over(Plan.load(args.plan), over, source=args.source, dims=dims))
+            return 0
+        if args.target is None:
+            raise AutoparError("say what to explain: a node or parameter (autopar explain PLAN NODE), or the "
+                               "pieces over a range of sizes (autopar explain PLAN --over batch=1..4096)")
         print(explain(Plan.load(args.plan), args.target, source=args.source, limit=args.limit))
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)

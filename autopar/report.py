@@ -149,5 +149,11 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
                       f"({layers[0]} .. {layers[-1]}), e.g. {', '.join(kinds)}")
         else:
             con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")
+    if plan.dynamic:
+        from autopar.dynamic.explain import describe
+        example = ", ".join(f"{k} {v}" for k, v in plan.dynamic["example"].items())
+        con.print(f"dynamic: the tables above are the plan at the example sizes ({example}); its pieces "
+                  "(`autopar explain PLAN --over NAME=LOW..HIGH` says why they change):")
+        con.print(describe(plan, reasons=False), markup=False, highlight=False)
     for w in plan.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")

@@ -444,7 +444,7 @@ def test_viz_cli_writes_one_self_contained_file(gpt_plan, tmp_path, capsys):
     assert viz_main([str(a), "-o", str(out)]) == 0
     page = out.read_text()
     assert "<script src" not in page and "<link" not in page and "@import" not in page
-    assert '"schema":"autopar.plan/1"' in page
+    assert '"schema":"autopar.plan/2"' in page
     assert viz_main([str(tmp_path / "missing.json"), "-o", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from autopar.cost_models.cluster import get_cluster
 from autopar.dynamic.graph import Lattice, SymbolicGraph, lattices
+from autopar.dynamic.explain import boundary, summary
 from autopar.dynamic.planfile import Dynamic
 from autopar.dynamic.pricing import COMPONENTS, Assignment, Curve, Pricer
 from autopar.dynamic.search import Piece, Search
@@ -123,7 +124,11 @@ def _assemble(sg: SymbolicGraph, pricer: Pricer, search: Search, pieces: list, s
         body = plan.to_json()
         body.pop("schema")
         body["dynamic"] = None
+        below = next((q for q in pieces if q.lattice == piece.lattice and _follows(q.box, box)), None)
+        first = piece.lattice.value(tuple(lo for lo, _ in box))
         entries.append({
+            "summary": summary(plan, sg),
+            "boundary": boundary(pricer, piece.lattice, below.assignment, piece.assignment, first) if below else None,
             "lattice": {"first": list(piece.lattice.first), "step": list(piece.lattice.step),
                         "count": list(piece.lattice.count)},
             "box": [list(b) for b in box],
@@ -148,6 +153,12 @@ def _assemble(sg: SymbolicGraph, pricer: Pricer, search: Search, pieces: list, s
     top.dynamic = {"symbols": [s.to_json() for s in sg.symbols], "example": dict(sg.example),
                    "pieces": entries, "search": search_stats}
     return top
+
+
+def _follows(a: tuple, b: tuple) -> bool:
+    """Box ``b`` starts right after box ``a`` along one symbol, and spans the same sizes of the others."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return len(diff) == 1 and a[diff[0]][1] + 1 == b[diff[0]][0]
 
 
 def _restrict(curve: Curve, box: tuple) -> Curve:

@@ -76,6 +76,7 @@ class DynamicModule(nn.Module):
             raise AutoparError("DynamicModule runs a plan compiled with dynamic=...; this plan is for one size")
         self.plan, self.dyn, self.fallback = plan, Dynamic(plan.dynamic), fallback
         self.mesh, self.loss_fn = device_mesh, loss_fn
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.compile_count = 1
         self._compile_options = dict(compile_options or {})
         self._bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
@@ -215,6 +216,17 @@ class DynamicModule(nn.Module):
         return self._current.load_state_dict(state_dict, strict, assign)
 
 
+def piece_sources(model: nn.Module, example_inputs, loss_fn, plan: Plan) -> dict:
+    """Each piece's program as ``DynamicModule`` builds it: piece index -> source."""
+    dyn = Dynamic(plan.dynamic)
+    sg = SymbolicGraph(model, tuple(example_inputs), loss_fn, dyn.symbols)
+    out = {}
+    for i in range(len(dyn.pieces)):
+        piece = dyn.plan(i)
+        out[i] = program_source(build_program(sg.specialize(dyn.point(i)), piece), piece)
+    return out
+
+
 def _moved(t: torch.Tensor, src: tuple, dst: tuple, mesh) -> torch.Tensor:
     """``t`` (this rank's piece under ``src``) as its piece under ``dst``."""
     full = DTensor.from_local(t.detach(), mesh, src, run_check=False).full_tensor()
@@ -241,4 +253,4 @@ def _same_sizes(sizes: dict, names: tuple) -> None:
             "its sizes name")
 
 
-__all__ = ["DynamicModule", "FALLBACKS"]
+__all__ = ["DynamicModule", "FALLBACKS", "piece_sources"]
