@@ -700,23 +700,19 @@ if __name__ == "__main__":
 '''
 
 
-DYNAMIC_ENTRY = ENTRY.replace(
-    "from rank_program import RankProgram  # noqa: E402\n", "").replace(
-    "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
-    "    # each piece's program (piece_<i>.py here) is rebuilt from the model, exactly as written; the\n"
-    "    # example batch runs the piece of its sizes\n"
-    "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
-    "                                     plan=plan)\n").replace(
-    "The model comes from", "Dynamic: one program per piece of sizes, piece_<i>.py. The model comes from")
+def _rebuilding_entry(files: str, note: str) -> str:
+    """train.py for a plan whose programs autoparallelize rebuilds from the model (``files``: what it writes)."""
+    return ENTRY.replace("from rank_program import RankProgram  # noqa: E402\n", "").replace(
+        "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
+        f"    # {files} here: rebuilt from the model, exactly as written\n"
+        "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
+        "                                     plan=plan)\n").replace("The model comes from", f"{note} The model comes from")
 
 
-PIPELINE_ENTRY = ENTRY.replace(
-    "from rank_program import RankProgram  # noqa: E402\n", "").replace(
-    "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
-    "    # the stage programs (stage_<chunk>.py here) are rebuilt from the model, exactly as written\n"
-    "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
-    "                                     plan=plan)\n").replace(
-    "The model comes from", "Pipelined: each stage's program is in stage_<chunk>.py. The model comes from")
+PIPELINE_ENTRY = _rebuilding_entry("the stage programs (stage_<chunk>.py)",
+                                   "Pipelined: each stage's program is in stage_<chunk>.py.")
+DYNAMIC_ENTRY = _rebuilding_entry("each piece's program (piece_<i>.py; the example batch runs its sizes' piece)",
+                                  "Dynamic: one program per piece of sizes, piece_<i>.py.")
 
 
 def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None,
@@ -731,27 +727,22 @@ def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = 
                         "or pass source= to autopar.compile so that codegen can rebuild the model")
     os.makedirs(out_dir, exist_ok=True)
     path, factory = source.rsplit(":", 1)
-    template = ENTRY
+    template, programs = ENTRY, None
     if plan.pipeline:
-        if stages is None:
-            raise PlanError("a pipelined plan's program is its stages: pass stages= "
-                            "(autopar.pipeline_runtime.stage_sources)")
-        for chunk, text in stages.items():
-            write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
-        template = PIPELINE_ENTRY
+        template, programs, name, helper = PIPELINE_ENTRY, stages, "stage_{}.py", "pipeline_runtime.stage_sources"
     elif plan.dynamic:
-        if pieces is None:
-            raise PlanError("a dynamic plan's program is one per piece: pass pieces= "
-                            "(autopar.dynamic.runtime.piece_sources)")
-        for i, text in pieces.items():
-            write_text(os.path.join(out_dir, f"piece_{i}.py"), text)
-        template = DYNAMIC_ENTRY
+        template, programs, name, helper = DYNAMIC_ENTRY, pieces, "piece_{}.py", "dynamic.runtime.piece_sources"
     else:
         write_text(os.path.join(out_dir, "rank_program.py"), program_source(build_program(graph, plan), plan))
+    if template is not ENTRY:
+        if programs is None:
+            raise PlanError(f"a {'pipelined' if plan.pipeline else 'dynamic'} plan's program is one file per "
+                            f"{'stage' if plan.pipeline else 'piece'}: pass them (autopar.{helper})")
+        for key, text in programs.items():
+            write_text(os.path.join(out_dir, name.format(key)), text)
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
     write_text(entry, template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
-    programs = [f"stage_{chunk}.py" for chunk in stages] if plan.pipeline else \
-        [f"piece_{i}.py" for i in pieces] if plan.dynamic else ["rank_program.py"]
-    record_written(out_dir, [*programs, "plan.json", "train.py"])
+    written = [name.format(key) for key in programs] if programs is not None else ["rank_program.py"]
+    record_written(out_dir, [*written, "plan.json", "train.py"])
     return entry
