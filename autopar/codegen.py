@@ -143,13 +143,17 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
         i = region_of[src.name]
         names = regions[i]
         inside = set(names)
-        sizes = list(dict.fromkeys([*(a.name for n in names for a in emit.fx_nodes[n].all_input_nodes if is_size(a)),
-                                    *emit.symbols.values()]))  # a dynamic graph's sizes, for its shapes
+        sizes = list(dict.fromkeys(a.name for n in names for a in emit.fx_nodes[n].all_input_nodes if is_size(a)))
         externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside)) + sizes
         outputs = [n for n in names if any(c not in inside for c, _ in consumers[n])]
         sub, sub_env = fx.Graph(), {}
         for e in externals:
             sub_env[e] = sub.placeholder(e)
+        for k, (ph, d) in enumerate(emit.symbols.values()):  # a dynamic graph's sizes, for its local shapes
+            key = ("size", str(list(emit.symbols)[k]))
+            externals.append(key)
+            emit._expr(main, env, list(emit.symbols)[k])
+            sub_env[key] = sub.placeholder(f"{ph}_size{d}")
         for n in names:
             emit.node(sub, sub_env, emit.fx_nodes[n])
         sub.output(tuple(sub_env[o] for o in outputs))
@@ -301,9 +305,10 @@ class _Emitter:
         self.ndim = plan.mesh.ndim
         self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
         self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
-        self.symbols = {n.meta["val"].node.expr: n.name for n in graph.gm.graph.nodes
-                        if n.op == "call_function" and is_size(n) and n.target is torch.ops.aten.sym_size.int}
-        """A graph captured with dynamic shapes (autopar/dynamic): each size symbol's node in the program."""
+        self.symbols = {d.node.expr: (n.name, k) for n in reversed(graph.gm.graph.nodes) if n.op == "placeholder"
+                        and isinstance(n.meta.get("val"), torch.Tensor)
+                        for k, d in enumerate(n.meta["val"].shape) if isinstance(d, torch.SymInt)}
+        """A graph captured with dynamic shapes (autopar/dynamic): each size symbol's input and dim."""
 
     def size(self, g: fx.Graph, env: dict, src: fx.Node) -> None:
         """A size of a dynamic graph (``aten.sym_size`` of an input, arithmetic
@@ -329,10 +334,13 @@ class _Emitter:
         import sympy
         if e.is_Integer:
             return int(e)
-        if e in self.symbols:
-            return env[self.symbols[e]]
         key = ("size", str(e))
         if key in env:
+            return env[key]
+        if e in self.symbols:  # read off the (global) input it is a dim of
+            ph, d = self.symbols[e]
+            env[key] = self._named(g.call_function(torch.ops.aten.sym_size.int, (env[("raw", ph)], d)),
+                                   f"{ph}_size{d}")
             return env[key]
         args = [self._expr(g, env, a) for a in e.args]
         if isinstance(e, sympy.Add):
@@ -399,8 +407,7 @@ class _Emitter:
                 env[("raw", src.name)] = ph
                 shape = entry["shape"]
                 if self.symbols and not local:  # its sizes, read from it
-                    shape = [self._named(g.call_function(torch.ops.aten.sym_size.int, (ph, d)), f"{src.name}_size{d}")
-                             if isinstance(v, torch.SymInt) else int(v) for d, v in enumerate(src.meta["val"].shape)]
+                    shape = self._sizes(g, env, src.meta["val"].shape)
                 env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, local))
                 env[src.name].name = f"{src.name}_s"
                 self._made(g, env, src.name, spec)

@@ -52,6 +52,7 @@ class SymbolicGraph:
         self._shapes = {name: [self._shape(v) for v in self._values(name)] for name in self.graph.nodes}
         self.example = {s.name: self.graph.nodes[self._input(s.dims[0][0])].out.shape[s.dims[0][1]]
                         for s in symbols}
+        self._degrees: dict = {}
 
     # --- the symbols -----------------------------------------------------
     def _input(self, index: int) -> str:
@@ -112,18 +113,24 @@ class SymbolicGraph:
         return list(seen)
 
     def degree(self, name: str) -> int:
-        """A bound on the degree in ``name`` of any cost of the step: an op's
-        FLOPs are a product of an element count and one contracted size
-        (a fused attention's: its queries' count times the keys' length)."""
-        s, best = self.sym[name], 1
-        for node in self.graph.nodes.values():
-            if node.kind is not NodeKind.OP:
-                continue
-            shapes = [self.shape(p) for p in node.inputs] + self._shapes[node.name]
-            counts = [sympy.degree(sympy.expand(math.prod(sh)), s) if sh else 0 for sh in shapes]
-            dims = [sympy.degree(sympy.expand(e), s) for sh in shapes for e in sh]
-            best = max(best, max(counts, default=0) + max(dims, default=0))
-        return int(best)
+        """The degree in symbol ``name`` of the step's costs: of each op's FLOPs
+        (``cost_models.graph_costs.op_flops``: an element count times a
+        contracted size, a fused attention's queries times its keys) and of
+        each tensor's size, read off their growth between sizes 2**k and 2**(k+1)
+        times the example's (polynomials with nonnegative coefficients)."""
+        if name not in self._degrees:
+            from autopar.cost_models.graph_costs import op_flops
+            base = {s.name: self.example[s.name] for s in self.symbols}
+            graphs = [self.specialize({**base, name: base[name] * 2 ** k}) for k in (4, 5)]
+            best = 1
+            for n in self.graph.nodes:
+                a, b = (g.nodes[n] for g in graphs)
+                for fa, fb in ((op_flops(a), op_flops(b)) if a.kind is NodeKind.OP else (0, 0),
+                               *((ma.nbytes, mb.nbytes) for ma, mb in zip(a.outputs, b.outputs))):
+                    if fa > 0 and fb > fa:
+                        best = max(best, math.ceil(math.log2(fb / fa) - 1e-6))
+            self._degrees[name] = best
+        return self._degrees[name]
 
     # --- concrete graphs -------------------------------------------------
     def values_of(self, inputs) -> dict:
