@@ -89,7 +89,7 @@ def check(obj, mesh) -> None:
     names = [s.name for s in symbols]
     _require(isinstance(obj["pieces"], list) and obj["pieces"], "plan field 'dynamic.pieces' must be a non-empty list")
     for i, p in enumerate(obj["pieces"]):
-        where = f"plan field 'dynamic.pieces[{i}]'"
+        where = f"plan field dynamic.pieces[{i}]"
         _require(isinstance(p, dict) and all(k in p for k in ("lattice", "box", "point", "plan", "expressions")),
                  f"{where} needs lattice, box, point, plan and expressions")
         lat = p["lattice"]
