@@ -328,7 +328,8 @@ def test_training_with_a_new_batch_size_every_step_matches_one_device():
     gradients every step and the parameters at the end as one device's
     (float64); the decorator form compiles once for its range and once more
     for a size off it (fallback="compile"); a size outside the plan is
-    refused alike on every rank."""
+    refused alike on every rank; a second model whose batch and sequence
+    length both change every step trains like one device too."""
     proc = torchrun(["tests/fixtures/dynamic_ranks.py"], 4)
     assert proc.returncode == 0, proc.stdout[-3000:] + first_error(proc.stderr)
     report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
@@ -337,3 +338,4 @@ def test_training_with_a_new_batch_size_every_step_matches_one_device():
     assert max(report["worst"].values()) < 1e-12, report["worst"]
     assert "outside the sizes this plan was compiled for" in report["refused"]
     assert report["decorated_counts"] == [1, 1, 1, 1, 2] and report["decorated_error"] < 1e-12
+    assert report["pieces2"] >= 2  # batch and sequence length both changing: the two-symbol losses and gradients
