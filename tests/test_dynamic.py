@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from autopar.errors import AutoparError, InputError, PlanError
 from autopar.mesh import parse_mesh
 from autopar.cost_models.cluster import get_cluster
 from conftest import ROOT, first_error, torchrun
-from gpt import GPT, GPTConfig, lm_loss
+from gpt import GPT, GPTConfig, lm_loss, medium
 
 
 def gpt(batch: int, cfg=GPTConfig()):
@@ -157,19 +156,15 @@ def test_a_price_is_the_static_compiles_prediction_and_its_expression_exact():
 
 # --------------------------------------------------------------------------- acceptance: a GPT, batch 1..1024
 
-ACCEPT = GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2)
-"""A GPT whose best plan on two A100s changes over batch 1..1024 (replicated,
-sequence-split and data-parallel pieces)."""
-
-
 @pytest.fixture(scope="module")
 def over_batch():
-    """One compile for batch 1..1024 with tolerance 0: every piece's plan within
-    the solver's gap of each size's optimum."""
-    model, inputs = gpt(8, ACCEPT)
-    plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=lm_loss,
+    """One compile of examples/gpt.py:medium (hidden 256: its best plan on two
+    A100s changes over the range) for batch 1..1024 with tolerance 0: every
+    piece's plan within the solver's gap of each size's optimum."""
+    model, inputs, loss_fn = medium(8)
+    plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss_fn,
                            dynamic={"batch": (1, 1024)}, tolerance=0)
-    sg = SymbolicGraph(model, inputs, lm_loss, Dynamic(plan.dynamic).symbols)
+    sg = SymbolicGraph(model, inputs, loss_fn, Dynamic(plan.dynamic).symbols)
     cluster = get_cluster("dgx-a100")
     pricer = Pricer(sg, plan.mesh, cluster, optimizer="adamw", precision="fp32", budget=cluster.device.memory,
                     source=None)
@@ -177,8 +172,8 @@ def over_batch():
 
 
 def static(batch: int) -> autopar.Plan:
-    model, inputs = gpt(batch, ACCEPT)
-    return autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=lm_loss)
+    model, inputs, loss_fn = medium(batch)
+    return autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss_fn)
 
 
 def piece_price(plan, pricer, i: int, batch: int) -> float:

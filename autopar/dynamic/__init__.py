@@ -18,19 +18,15 @@ between is priced by the same accounting, without solving.
 """
 from __future__ import annotations
 
-import itertools
-import math
 import time
 import warnings
-
-import numpy as np
 
 from autopar.cost_models.cluster import get_cluster
 from autopar.dynamic.graph import Lattice, SymbolicGraph, lattices
 from autopar.dynamic.explain import boundary, summary
 from autopar.dynamic.planfile import Dynamic
-from autopar.dynamic.pricing import COMPONENTS, Assignment, Curve, Pricer
-from autopar.dynamic.search import Piece, Search
+from autopar.dynamic.pricing import COMPONENTS, Assignment, Curve, Pricer, shift
+from autopar.dynamic.search import Search
 from autopar.dynamic.symbols import SymbolRange, parse_dims, parse_range, resolve
 from autopar.errors import AutoparError
 from autopar.mesh import parse_mesh
@@ -128,7 +124,8 @@ def _assemble(sg: SymbolicGraph, pricer: Pricer, search: Search, pieces: list, s
         first = piece.lattice.value(tuple(lo for lo, _ in box))
         entries.append({
             "summary": summary(plan, sg),
-            "boundary": boundary(pricer, piece.lattice, below.assignment, piece.assignment, first) if below else None,
+            "boundary": boundary(pricer, piece.lattice, below.assignment, piece.assignment, first,
+                                 getattr(search.probes.get(first), "plan", None)) if below else None,
             "lattice": {"first": list(piece.lattice.first), "step": list(piece.lattice.step),
                         "count": list(piece.lattice.count)},
             "box": [list(b) for b in box],
@@ -169,21 +166,7 @@ def _restrict(curve: Curve, box: tuple) -> Curve:
         if all(lo <= hi for lo, hi in clipped):
             segments.append((seg, coeffs, clipped))
     out = Curve(curve.lattice, [(seg, coeffs) for seg, coeffs, _ in segments])
-    out.segments = [(clip, _shift(coeffs, seg, clip)) for seg, coeffs, clip in segments]
-    return out
-
-
-def _shift(coeffs, seg: tuple, clip: tuple):
-    """The same polynomial with its origin moved from ``seg``'s low corner to ``clip``'s."""
-    out = np.zeros_like(coeffs)
-    shifts = [c[0] - s[0] for s, c in zip(seg, clip)]
-    for powers in itertools.product(*[range(n) for n in coeffs.shape]):
-        # (u + d)^p = sum_k C(p, k) d^(p-k) u^k
-        for ks in itertools.product(*[range(p + 1) for p in powers]):
-            term = coeffs[powers]
-            for p, k, d in zip(powers, ks, shifts):
-                term = term * math.comb(p, k) * d ** (p - k)
-            out[ks] += term
+    out.segments = [(clip, shift(coeffs, seg, clip)) for seg, coeffs, clip in segments]
     return out
 
 

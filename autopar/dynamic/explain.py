@@ -58,7 +58,7 @@ def words(s: dict) -> str:
     """A summary in one line: "x: batch split 97%, whole 3%; weights 16 replicated (DP), 4 TP"."""
     parts = []
     for axis, share in s["axes"].items():
-        top = [f"{k} {v:.0%}" for k, v in share.items() if v >= 0.005][:3]
+        top = [f"{k} {v:.0%}" for k, v in sorted(share.items(), key=lambda kv: -kv[1]) if v >= 0.005][:3]
         parts.append(f"{axis}: {', '.join(top) or 'nothing'}")
     weights = ", ".join(f"{n} {k}" for k, n in sorted(s["weights"].items(), key=lambda kv: -kv[1]))
     rc = f"; recompute {s['recompute']}" if s.get("recompute", "none") != "none" else ""
@@ -73,19 +73,23 @@ def collectives(plan: Plan) -> dict:
     return dict(out)
 
 
-def boundary(pricer, lattice, below, here, point: tuple) -> dict | None:
-    """The lower piece's plan (``below``) and this piece's (``here``) priced at ``point``."""
+def boundary(pricer, lattice, below, here, point: tuple, best: Plan | None) -> dict | None:
+    """At ``point``, the first sizes of a piece: the lower piece's plan (``below``),
+    this piece's (``here``) and the ILP's optimum there (``best``, which the
+    search solved there: what showed that the plan below no longer holds)."""
     a, b = pricer.plan(below, lattice, point), pricer.plan(here, lattice, point)
     if b is None:
         return None
-    out = {"at": dict(zip(pricer.names, point)), "here": _terms(b), "here_collectives": collectives(b)}
+    best = best or b
+    out = {"at": dict(zip(pricer.names, point)), "here": _terms(b), "best": _terms(best),
+           "best_collectives": collectives(best)}
     if a is None:
         out["below"] = None
         out["why"] = "the plan below does not divide these sizes"
         return out
     out["below"] = _terms(a)
     out["below_collectives"] = collectives(a)
-    if a.predicted["peak_memory_bytes"] > pricer.budget >= b.predicted["peak_memory_bytes"]:
+    if a.predicted["peak_memory_bytes"] > pricer.budget >= best.predicted["peak_memory_bytes"]:
         out["why"] = (f"the plan below needs {fmt_bytes(a.predicted['peak_memory_bytes'])} per device here, over the "
                       f"budget of {fmt_bytes(pricer.budget)}")
     return out
@@ -97,30 +101,33 @@ def _terms(plan: Plan) -> dict:
 
 
 def reason(b: dict) -> str:
-    """One line: the plan below at this boundary, against this piece's, by the terms that moved most."""
+    """One line: the plan below at this boundary against the best plan there (the
+    ILP's), by the terms that moved most, and what this piece's own plan takes."""
     at = ", ".join(f"{k} {v}" for k, v in b["at"].items())
     if b.get("below") is None:
         return f"from {at}: {b.get('why', '')}"
-    here, below = b["here"], b["below"]
-    gain = below["step_time_s"] / here["step_time_s"] - 1
-    than = f"{abs(gain):.1%} {'more' if gain >= 0 else 'less'} than this piece's {fmt_s(here['step_time_s'])}"
+    best, below, here = b["best"], b["below"], b["here"]
+    gain = below["step_time_s"] / best["step_time_s"] - 1
+    than = f"{abs(gain):.1%} {'more' if gain >= 0 else 'less'} than the best plan there ({fmt_s(best['step_time_s'])})"
     head = f"from {at}: the plan below would take {fmt_s(below['step_time_s'])}, {than}"
+    if here["step_time_s"] != best["step_time_s"]:
+        head += f"; this piece's plan takes {fmt_s(here['step_time_s'])} there and holds over more sizes"
     if b.get("why"):
-        return f"{head}, but {b['why']}"
-    moved = sorted(((below[k] - here[k], label) for k, label in TERMS if k != "grad_sync_exposed_s"),
+        return f"{head}; {b['why']}"
+    moved = sorted(((below[k] - best[k], k, label) for k, label in TERMS if k != "grad_sync_exposed_s"),
                    key=lambda x: -abs(x[0]))
-    terms = [f"{label} {fmt_s(here[k])} vs {fmt_s(below[k])}" for d, label in moved[:2] if abs(d) > 1e-12
-             for k in [next(t for t, lab in TERMS if lab == label)]]
-    kinds = sorted(set(b["here_collectives"]) | set(b["below_collectives"]))
-    bytes_ = [f"{k.replace('_', '-')} {fmt_bytes(b['here_collectives'].get(k, 0.0))} vs "
+    terms = [f"{label} {fmt_s(best[k])} vs {fmt_s(below[k])}" for d, k, label in moved[:2] if abs(d) > 1e-12]
+    kinds = sorted(set(b["best_collectives"]) | set(b["below_collectives"]))
+    bytes_ = [f"{k.replace('_', '-')} {fmt_bytes(b['best_collectives'].get(k, 0.0))} vs "
               f"{fmt_bytes(b['below_collectives'].get(k, 0.0))}" for k in kinds
-              if abs(b["here_collectives"].get(k, 0.0) - b["below_collectives"].get(k, 0.0)) > 0]
+              if b["best_collectives"].get(k, 0.0) != b["below_collectives"].get(k, 0.0)]
     exposed = ""
-    if abs(below["grad_sync_exposed_s"] - here["grad_sync_exposed_s"]) > 0.1 * abs(below["step_time_s"] -
-                                                                                  here["step_time_s"]):
-        exposed = (f"; gradient sync left exposed after backward {fmt_s(here['grad_sync_exposed_s'])} vs "
+    if abs(below["grad_sync_exposed_s"] - best["grad_sync_exposed_s"]) > 0.1 * abs(below["step_time_s"] -
+                                                                                best["step_time_s"]):
+        exposed = (f"; gradient sync left exposed after backward {fmt_s(best['grad_sync_exposed_s'])} vs "
                    f"{fmt_s(below['grad_sync_exposed_s'])}")
-    return head + ": " + "; ".join(terms) + (f" ({', '.join(bytes_)} moved)" if bytes_ else "") + exposed
+    return (head + ". Best vs below: " + "; ".join(terms) + (f" ({', '.join(bytes_)} moved)" if bytes_ else "")
+            + exposed)
 
 
 def describe(plan: Plan, over: dict | None = None, reasons: bool = True) -> str:

@@ -146,7 +146,49 @@ class Pricer:
 
 def fit(f, box: tuple, bound: tuple) -> list:
     """Segments (box, coefficients) of a piecewise polynomial through ``f``'s values on the index box."""
-    return _fit(f, tuple(box), tuple(1 for _ in box), bound)
+    segments = _fit(f, tuple(box), tuple(1 for _ in box), bound)
+    return _absorbed(f, segments) if len(box) == 1 else segments
+
+
+def _absorbed(f, segments: list) -> list:
+    """One symbol: a short segment (a split left a few sizes on their own) that a
+    neighbour's polynomial also gives becomes part of that neighbour."""
+    out = []
+    for box, coeffs in sorted(segments, key=lambda s: s[0]):
+        (lo, hi), = box
+        points = list(range(lo, hi + 1))
+        if out and len(points) <= 3 and _gives(f, *out[-1], points):
+            out[-1] = (((out[-1][0][0][0], hi),), out[-1][1])
+            continue
+        out.append((box, coeffs))
+    merged = [out[0]] if out else []
+    for box, coeffs in out[1:]:  # a short segment before one whose polynomial gives it
+        (plo, phi), = merged[-1][0]
+        if phi - plo < 3 and _gives(f, box, coeffs, list(range(plo, phi + 1))):
+            merged[-1] = (((plo, box[0][1]),), shift(coeffs, box, ((plo, box[0][1]),)))
+        else:
+            merged.append((box, coeffs))
+    return merged
+
+
+def _gives(f, box, coeffs, points) -> bool:
+    want = np.array([f((p,)) for p in points])
+    got = evaluate(coeffs, box, [(p,) for p in points])
+    return bool(np.all(np.abs(want - got) <= TOLERANCE * max(np.max(np.abs(want)), 1e-30)))
+
+
+def shift(coeffs: np.ndarray, box: tuple, to: tuple) -> np.ndarray:
+    """The same polynomial with its origin moved from ``box``'s low corner to ``to``'s."""
+    out = np.zeros_like(coeffs)
+    shifts = [c[0] - s[0] for s, c in zip(box, to)]
+    for powers in itertools.product(*[range(n) for n in coeffs.shape]):
+        # (u + d)^p = sum_k C(p, k) d^(p-k) u^k
+        for ks in itertools.product(*[range(p + 1) for p in powers]):
+            term = coeffs[powers]
+            for p, k, d in zip(powers, ks, shifts):
+                term = term * math.comb(p, k) * d ** (p - k)
+            out[ks] += term
+    return out
 
 
 def _fit(f, box, degree, bound):
