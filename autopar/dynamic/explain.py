@@ -142,11 +142,12 @@ def describe(plan: Plan, over: dict | None = None, reasons: bool = True) -> str:
     for i, lat in enumerate(dyn.lattices):
         by_lattice[lat].append(i)
     for lat, members in by_lattice.items():
-        lines.append(f"  {lat.describe(dyn.names)}")
-        for i in members:
+        shown = [i for i in members if not over or not any(
+            dyn.ranges(i)[n][1] < lo or dyn.ranges(i)[n][0] > hi for n, (lo, hi) in over.items() if n in dyn.names)]
+        if shown:
+            lines.append(f"  {lat.describe(dyn.names)}")
+        for i in shown:
             r = dyn.ranges(i)
-            if over and any(r[n][1] < lo or r[n][0] > hi for n, (lo, hi) in over.items() if n in r):
-                continue
             p = dyn.pieces[i]
             span = ", ".join(f"{n} {a}..{b}" if a != b else f"{n} {a}" for n, (a, b, _) in r.items())
             ends = _ends(dyn, i)
