@@ -22,10 +22,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
-from autopar.capture import Graph, NodeKind, is_size
+from autopar.capture import is_size
 from autopar.errors import AutoparError, PlanError
+from autopar.ir import Graph, NodeKind
 from autopar.outputs import record_written, write_text
-from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
+from autopar.passes.rules.factory import FACTORIES, RANDOM_FACTORIES
 from autopar.cost_models.graph_costs import input_grad_spec
 from autopar.cost_models.resharding import as_sum, producer_grad_spec
 from autopar.passes.strategy import Strategy, divides, fmt_spec, local_shape, parse_spec

@@ -166,7 +166,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     """Price every candidate strategy of ``target`` with its neighbours as planned."""
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
-        CostContext, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute, node_memory, optimizer_time,
+        CostContext, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute, node_memory, op_moves, optimizer_time,
         produced, replays, reshard_key, saves_input, shares_reshard,
     )
     from autopar.cost_models.resharding import reads_in_place
@@ -218,7 +218,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     for s in strategies[name]:
         f, b = node_compute(node, s, ctx, name in grad)
         f += optimizer_time(node, s, ctx)  # parameters: the update of this shard
-        transfers = []
+        transfers = _transfers(name, "in", name, *op_moves(node, s, ctx, name in grad), mesh.names, [], True)
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         mine: set = set()  # reshards of its inputs this candidate pays for
         for idx, src in enumerate(node.inputs):
@@ -263,7 +263,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
             str(s), f + b, sum(t.seconds for t in transfers if t.direction == "in" and t.paid),
             sum(t.seconds for t in transfers if t.direction == "out" and t.paid),
             node_memory(node, s, ctx, kept_share.get(name, 0.0)) + held, str(s) == chosen_text, transfers,
-            reading=_reading(node, s, mesh.names)))
+            reading=_reading(node, s, mesh.names, bool(op_moves(node, s, ctx, False)[0]))))
     if not any(c.chosen for c in candidates):
         raise PlanError(f"the plan's strategy {chosen_text} for {name} is not among its candidates now; "
                         "the model or autopar's rules changed since the plan was compiled; recompile it")
@@ -288,13 +288,17 @@ def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, 
             for phase, moves in (("forward", fwd), ("backward", bwd)) for m in moves]
 
 
-def _reading(node, s: Strategy, axis_names) -> str:
+def _reading(node, s: Strategy, axis_names, balanced: bool = False) -> str:
     """Attention's strategy in the words of the technique: per mesh axis, the
-    dim of the queries it splits (passes/rules/misc.py, sdpa_rule)."""
+    dim of the queries it splits (passes/rules/attention.py, sdpa_rule), and
+    whether a causal sequence split runs ``balanced`` (zigzag_axes)."""
     if node.op_name != "scaled_dot_product_attention" or node.info is None:
         return ""
     seq = node.info.inputs[0].ndim - 2
-    words = {0: "batch split (data parallel)", seq: "sequence split, keys and values gathered (context parallel)"}
+    context = "sequence split, keys and values gathered (context parallel)"
+    if balanced:
+        context += ", causal work balanced (query halves exchanged)"
+    words = {0: "batch split (data parallel)", seq: context}
     parts = [f"{axis}: " + words.get(p.dim, "heads split (tensor parallel)")
              for axis, p in zip(axis_names, s.output) if isinstance(p, Shard)]
     return "; ".join(parts) or "whole on every device"

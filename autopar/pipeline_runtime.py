@@ -54,9 +54,10 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar import rankcheck, spmd
-from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.capture import capture
 from autopar.codegen import build_program, load_program, program_source
 from autopar.errors import AutoparError, InputError, LaunchError, PlanError
+from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh, parse_mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
 from autopar.pipeline import (

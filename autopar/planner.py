@@ -19,16 +19,17 @@ import warnings
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.capture import Graph, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
-    needs_grad, node_compute,
+    needs_grad, node_compute, op_moves,
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.mesh import parse_mesh
-from autopar.passes.cluster import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
+from autopar.passes.layer_classes import deeper_ends, layer_classes, layer_lists, layer_of, repeated_layers
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
@@ -303,7 +304,7 @@ def _solve_with_recompute(graph, strategies, ctx, mode: str, *, budget, classes,
 
 class _Classes:
     """The representatives the ILP shares variables by: each class of
-    repeated layers (passes/cluster.py) sharing one set to begin with
+    repeated layers (passes/layer_classes.py) sharing one set to begin with
     (``first``), with instances peeled off its ends as ``deeper_ends`` says;
     a tied weight has one placement under all its names."""
 
@@ -410,6 +411,15 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
         if node.name in recomputed:
             b += f  # the forward runs again in backward
         compute += f + b
+        own_fwd, own_bwd = op_moves(node, s, ctx, node.name in grad)
+        for phase, moves in (("forward", own_fwd), ("backward", own_bwd),
+                             ("recompute", own_fwd if node.name in recomputed else [])):
+            for m in moves:  # collectives inside the op (graph_costs.op_moves)
+                comm += m.seconds
+                collectives.append({"kind": m.kind.value, "phase": phase,
+                                    "mesh_axes": [mesh.names[a] for a in m.axes or (m.axis,)],
+                                    "bytes": m.nbytes, "seconds": m.seconds, "node": node.name,
+                                    "producer": node.name, "tensor": node.name, "gradient_sync": False})
         window.compute(node.name, None, b)
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         acts = parts.pop("activations", 0.0)  # memory["activations"]: from the timeline, below

@@ -140,8 +140,8 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
     if plan.recompute.get("layers"):
         layers, regions = plan.recompute["layers"], plan.recompute.get("regions")
         if regions:  # selective: name the ops of one region
-            from autopar.capture import op_label
             from autopar.cost_models.graph_costs import VIEW_OPS
+            from autopar.ir import op_label
             views = {op_label(t) for t in VIEW_OPS}  # left out of the listing
             ops = {n.name: n.op for n in plan.nodes}
             kinds = list(dict.fromkeys(ops[n] for n in regions[0] if ops.get(n) not in views))

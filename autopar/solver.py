@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
-from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
-    needs_grad, step_temporaries, node_compute, node_memory, optimizer_time,
+    needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
+from autopar.ir import Graph, NodeKind
 from autopar.passes.recompute import NONE, Recomputation
 from autopar.passes.strategy import shard_factor
 from autopar.cost_models.resharding import reads_in_place
@@ -74,7 +74,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
           relative_gap: float = 1e-4, classes: dict | None = None, recomputed: Recomputation = NONE,
           optimizer_step: bool = True) -> Solution:
     """``classes`` maps a node to the representative whose variables it shares
-    (passes/cluster.py); its costs and memory add onto the representative's.
+    (passes/layer_classes.py); its costs and memory add onto the representative's.
     The regions ``recomputed`` names keep only their inputs for backward and
     run their forward twice; their activations are alive again only during
     their own backward. ``optimizer_step`` False leaves the optimizer update
@@ -207,19 +207,21 @@ class _ILP:
                         v.SetUb(0)
             node, backward = graph.nodes[name], name in self.grad
             priced[name] = [(node_compute(node, st, ctx, backward), _sides(node, st, ctx, kept_share.get(name, 0.0)),
-                             optimizer_time(node, st, ctx) if optimizer_step else 0.0)
+                             optimizer_time(node, st, ctx) if optimizer_step else 0.0,
+                             op_moves(node, st, ctx, backward))
                             for st in strategies[name]]
         for name in graph.nodes:
             r = self.rep[name]
             again = name in self.recomputed.nodes
             own = kept_share.get(name, 0.0) != kept_share.get(r, 0.0)  # a member saved unlike its representative
-            for i, ((f, b), (kept_all, acts, later), opt) in enumerate(priced[r]):
+            for i, ((f, b), (kept_all, acts, later), opt, (mf, mb)) in enumerate(priced[r]):
                 if own:
                     kept_all, acts, later = _sides(graph.nodes[name], strategies[r][i], ctx,
                                                    kept_share.get(name, 0.0))
                 b += f if again else 0.0  # the forward runs again in backward
+                moved = sum(m.seconds for m in mf) * (2 if again else 1) + sum(m.seconds for m in mb)
                 v = self.x[r][i]
-                _add(self.objective, v, (f + b + opt) * US)
+                _add(self.objective, v, (f + b + opt + moved) * US)
                 if self.overlap:
                     self.window.compute(name, v, b * US)
                 _add(self.always, v, kept_all)

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
 from autopar.cost_models.resharding import nested_inside, producer_grad_spec
+from autopar.passes.rules.attention import zigzag_axes
 from autopar.passes.strategy import parse_spec
 
 _state = threading.local()
@@ -1054,13 +1055,16 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 def _attention(fn, mesh, st, args, kwargs):
     """Causal attention with the queries' sequence split (context
-    parallelism, passes/rules/misc.py): keys and values arrive whole, and a
-    rank holding queries ``offset .. offset + n`` of the sequence attends to
-    keys ``0 .. offset + n``, the last n causally (the lower-right-aligned
-    causal mask, which torch's kernels run without materialising it where
-    they can). Rank r thus computes (r + 1/2) / (r + 1) of a full block row
-    of scores; the cost model prices every rank at the last one's share.
-    Without ``is_causal``, or with the sequence whole, the op runs as it is."""
+    parallelism, passes/rules/attention.py): keys and values arrive whole, and
+    the queries at positions ``p .. p + m`` attend to keys ``0 .. p + m``,
+    the last m causally (the lower-right-aligned causal mask, which torch's
+    kernels run without materialising it where they can). Where the chunks
+    halve (``zigzag_axes``), the work is balanced: query halves move by an
+    all-to-all over the axes that split the sequence so that rank j of cp
+    computes halves j and 2cp-1-j, and the outputs move back (their
+    gradients the other way in backward, ``_Zigzag``); otherwise each rank
+    computes its contiguous chunk, the last the most. Without
+    ``is_causal``, or with the sequence whole, the op runs as it is."""
     a = dict(zip(_SDPA_ARGS, args), **kwargs)
     q = a["query"]
     seq = q.ndim - 2
@@ -1068,12 +1072,77 @@ def _attention(fn, mesh, st, args, kwargs):
     if count == 1 or not a.get("is_causal", False):
         return fn(*args, **kwargs)
     n = q.shape[seq]
-    visible = (index + 1) * n
+    axes = zigzag_axes(st.inputs[0], seq, n, tuple(mesh.shape))
+    if not axes:
+        return _causal_chunk(a, q, index * n)
+    group, m = _group_over(mesh, axes), n // 2
+    mine = _Zigzag.apply(q, group, seq, count, index, False)
+    halves = [_causal_chunk(a, part, h * m) for part, h in zip(mine.split(m, dim=seq), (index, 2 * count - 1 - index))]
+    return _Zigzag.apply(torch.cat(halves, dim=seq), group, seq, count, index, True)
+
+
+_GROUPS: dict = {}
+
+
+def _group_over(mesh, axes: tuple):
+    """The process group of the ranks that differ only in mesh ``axes``,
+    numbered as a dim split over those axes numbers its pieces (the first
+    axis outermost): the axis's own group, or the mesh's flattening of them
+    (made once per mesh, by every rank at the same point of the program)."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    key = (id(mesh), axes)
+    if key not in _GROUPS:
+        names = tuple(mesh.mesh_dim_names[a] for a in axes)
+        _GROUPS[key] = mesh[names]._flatten("_".join(names)).get_group()
+    return _GROUPS[key]
+
+
+def _causal_chunk(a: dict, q: torch.Tensor, start: int) -> torch.Tensor:
+    """Queries at positions ``start ..`` of a causal sequence against the keys up to their last."""
+    seq = q.ndim - 2
+    visible = start + q.shape[seq]
     k, v = (t.narrow(t.ndim - 2, 0, visible) for t in (a["key"], a["value"]))
-    mask = torch.nn.attention.bias.causal_lower_right(n, visible)
+    mask = torch.nn.attention.bias.causal_lower_right(q.shape[seq], visible)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=a.get("dropout_p", 0.0), scale=a.get("scale"),
         enable_gqa=a.get("enable_gqa", False))
+
+
+def _zigzag(x: torch.Tensor, group, dim: int, cp: int, rank: int, back: bool) -> torch.Tensor:
+    """Sequence halves over one mesh axis of ``cp`` ranks, from the
+    contiguous layout (rank i holds halves 2i, 2i+1) to the balanced one
+    (rank j holds halves j, 2cp-1-j), or ``back``: one all-to-all, each
+    rank sending its two halves where they go (to itself, for some)."""
+    def held(r: int) -> tuple:
+        return (r, 2 * cp - 1 - r) if back else (2 * r, 2 * r + 1)
+
+    def dest(h: int) -> int:
+        return h // 2 if back else min(h, 2 * cp - 1 - h)
+
+    m = x.shape[dim] // 2
+    parts = dict(zip(held(rank), x.movedim(dim, 0).split(m)))
+    sending = sorted(parts, key=dest)  # all_to_all_single sends in rank order; sorted() keeps ties in order
+    arriving = [[h for h in sorted(held(r), key=dest) if dest(h) == rank] for r in range(cp)]
+    send = torch.cat([parts[h] for h in sending])
+    got = torch.empty_like(send)
+    torch.distributed.all_to_all_single(got, send, [m * len(hs) for hs in arriving],
+                                        [m * sum(dest(h) == r for h in sending) for r in range(cp)], group=group)
+    pieces = dict(zip([h for hs in arriving for h in hs], got.split(m)))
+    return torch.cat([pieces[h] for h in sorted(pieces)]).movedim(0, dim)
+
+
+class _Zigzag(torch.autograd.Function):
+    """``_zigzag`` forward, its inverse on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, cp, rank, back):
+        ctx.args = (group, dim, cp, rank, not back)
+        return _zigzag(x, group, dim, cp, rank, back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _zigzag(grad, *ctx.args), None, None, None, None, None
 
 
 class StepSeed:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from autopar.capture import Graph
+from autopar.ir import Graph
 from autopar.passes.recompute import Recomputation
 
 

@@ -69,8 +69,8 @@ def _full_grad(p, placements, mesh):
 def random_draws(graph) -> list[str]:
     """The ops of a captured model that draw random numbers when it trains
     (dropout with p > 0, noise drawn in forward, ...), as "op at location"."""
-    from autopar.capture import NodeKind
-    from autopar.passes.rules.misc import RANDOM_FACTORIES
+    from autopar.ir import NodeKind
+    from autopar.passes.rules.factory import RANDOM_FACTORIES
     from autopar.spmd import RANDOM_OPS, _draws
     return [f"{n.op_name} at {n.fqn or 'the top level'}" for n in graph.nodes.values()
             if n.kind is NodeKind.OP and n.info is not None and (n.target in RANDOM_OPS or n.target in RANDOM_FACTORIES)

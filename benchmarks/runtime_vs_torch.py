@@ -54,9 +54,10 @@ import gpt as gpt_example  # noqa: E402
 import mlp as mlp_example  # noqa: E402
 
 from autopar import planner  # noqa: E402
-from autopar.capture import NodeKind, capture  # noqa: E402
+from autopar.capture import capture  # noqa: E402
 from autopar.codegen import build_program, load_program, program_source  # noqa: E402
 from autopar.compiler import compile as compile_plan  # noqa: E402
+from autopar.ir import NodeKind  # noqa: E402
 from autopar.passes.strategy import fmt_spec  # noqa: E402
 from autopar.runtime import ParallelModule, agreed_plan, init_distributed, shutdown  # noqa: E402
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from autopar.cost_models.cluster import Device
 
+FLASH_CAUSAL_WORK = 0.5
+"""Fraction of score blocks a causal FlashAttention kernel computes (the upper triangle is skipped)."""
+
 
 def op_time(flops: float, nbytes: float, device: Device, dtype: str = "fp32", *, matmul: bool = False,
             measured: float = 0.0, special: float = 0.0, synchronous_mma: bool = False,

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Partial, Shard
 
-from autopar.capture import Graph, Node, NodeKind
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import Collective, axis_links
-from autopar.cost_models.compute import op_time
+from autopar.cost_models.collectives import Collective, axis_links, collective_time
+from autopar.cost_models.compute import FLASH_CAUSAL_WORK, op_time
 from autopar.errors import AutoparError
 from autopar.cost_models.resharding import Move, grad_spec, producer_grad_spec, reads_in_place, transitions
+from autopar.ir import Graph, Node, NodeKind
 from autopar.passes.rules import get_rule
+from autopar.passes.rules.attention import zigzag_axes
 from autopar.passes.rules.recurrent import RECURRENT
 from autopar.passes.strategy import Strategy, shard_factor
 
@@ -164,9 +165,10 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
     metas = (*node.info.inputs, *node.info.outputs)
     nbytes = sum(ctx.tensor_bytes(m) for m in metas)
     op, elements = op_name(node), max(math.prod(m.shape) for m in metas) / work
-    special = op_special(node) / work
+    share = attention_share(node, s, ctx.mesh_shape)
+    special = op_special(node) * share / work
     # PyTorch's fused attention on GPUs runs FlashAttention-2's kernels.
-    fwd = op_time(op_flops(node) / work, nbytes / work, dev, dtype, matmul=matmul,
+    fwd = op_time(op_flops(node) * share / work, nbytes / work, dev, dtype, matmul=matmul,
                   measured=dev.element_seconds(op, elements), special=special, synchronous_mma=special > 0)
     # Backward: a GEMM needs two GEMMs (input and weight gradients), other ops
     # about one pass over the same data, at their own measured rate if any.
@@ -177,6 +179,83 @@ def node_compute(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> t
         else:
             bwd = (2.0 if matmul else 1.0) * fwd
     return fwd + overhead, bwd + (overhead if backward else 0.0)
+
+
+def _causal(node: Node) -> bool:
+    return node.target is _aten.scaled_dot_product_attention.default and node.info is not None \
+        and bool(node.info.arg(5, "is_causal", False))
+
+
+def _context_split(node: Node, s: Strategy, mesh_shape: tuple) -> tuple[int, int, tuple | None]:
+    """Causal attention's queries' sequence split: (seq dim, ranks it is
+    split over, the axes it runs balanced over or None: zigzag_axes)."""
+    q = node.info.inputs[0]
+    seq = q.ndim - 2
+    cp = math.prod(mesh_shape[a] for a, p in enumerate(s.inputs[0]) if isinstance(p, Shard) and p.dim == seq)
+    return seq, cp, zigzag_axes(s.inputs[0], seq, q.shape[seq] // cp, mesh_shape)
+
+
+def attention_share(node: Node, s: Strategy, mesh_shape: tuple) -> float:
+    """Of an op's FLOPs over its split (``op_flops`` counts every score of an
+    attention), the share the busiest rank computes: 1, but for causal
+    attention, which skips the masked score blocks (FLASH_CAUSAL_WORK); with
+    its queries' sequence split over cp ranks in contiguous chunks the last
+    rank computes (2cp - 1) / cp times the mean, balanced chunks the mean
+    (passes/rules/attention.py, zigzag_axes; autopar/spmd.py, _attention)."""
+    if not _causal(node):
+        return 1.0
+    _, cp, axes = _context_split(node, s, mesh_shape)
+    return FLASH_CAUSAL_WORK * (1.0 if cp == 1 or axes else (2 * cp - 1) / cp)
+
+
+def op_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
+    """(forward moves, backward moves) a strategy runs inside its op, which
+    the plan lists with the op's node: batch norm's synchronised statistics
+    (``_batch_norm_moves``), and causal attention balanced over some
+    axes (zigzag_axes) exchanges its query halves before the kernel and its
+    output halves after it (an all-to-all over those axes each), in backward
+    their gradients the other way. ``nbytes`` is the buffer over the group,
+    as for other all-to-alls; the time is what each rank does, sending its
+    chunk and receiving one (``SEND_RECV`` of the local bytes) on the
+    slowest link of the group."""
+    if node.kind is not NodeKind.OP:
+        return [], []
+    if node.target is _aten.batch_norm.default:
+        return _batch_norm_moves(node, s, ctx, backward)
+    if not _causal(node):
+        return [], []
+    seq, cp, axes = _context_split(node, s, ctx.mesh_shape)
+    if not axes:
+        return [], []
+    moves = []
+    for meta, spec in ((node.info.inputs[0], s.inputs[0]), (node.info.outputs[0], s.output)):
+        local = ctx.tensor_bytes(meta) / shard_factor(spec, ctx.mesh_shape)
+        seconds, slowest = max((collective_time(Collective.SEND_RECV, local, ctx.links[a]), a) for a in axes)
+        moves.append(Move(Collective.ALL_TO_ALL, slowest, local * cp, seconds, axes if len(axes) > 1 else ()))
+    return moves, (moves[::-1] if backward else [])
+
+
+def _batch_norm_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool) -> tuple[list, list]:
+    """Training-mode batch norm over a split batch (or spatial dim):
+    synchronised statistics, the per-channel mean and then the variance
+    all-reduced over the splitting axes (autopar/spmd.py, _batch_norm),
+    their gradients all-reduced in backward; one collective over all the
+    mesh's axes where they all split it, one per axis otherwise."""
+    if not node.info.arg(5, "training", False):
+        return [], []
+    x = node.info.inputs[0]
+    axes = tuple(a for a, p in enumerate(s.inputs[0])
+                 if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[a] > 1)
+    if not axes:
+        return [], []
+    channels = math.prod(ctx.mesh_shape[a] for a, p in enumerate(s.inputs[0]) if isinstance(p, Shard) and p.dim == 1)
+    nbytes = x.shape[1] * x.dtype.itemsize / channels  # this rank's channels' statistics
+    groups = [axes] if len(axes) == len(ctx.mesh_shape) else [(a,) for a in axes]
+    moves = []
+    for group in groups:
+        seconds, slowest = max((collective_time(Collective.ALL_REDUCE, nbytes, ctx.links[a]), a) for a in group)
+        moves += [Move(Collective.ALL_REDUCE, slowest, nbytes, seconds, group if len(group) > 1 else ())] * 2
+    return moves, (moves if backward else [])
 
 
 def op_name(node: Node) -> str:

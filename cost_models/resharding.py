@@ -27,6 +27,9 @@ class Move:
     nbytes: float
     """Bytes of the buffer the collective works on (the gathered size for gathers/scatters)."""
     seconds: float
+    axes: tuple = ()
+    """Every mesh axis of its group where it spans several (``axis`` is then
+    the one whose link bounds it)."""
 
 
 def transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links: list[AxisLinks]) -> list[Move]:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import Algorithm, AxisLinks, Collective, axis_links, collective_time
-from autopar.cost_models.compute import op_time
+from autopar.cost_models.compute import FLASH_CAUSAL_WORK, op_time
 from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Recompute, TrainingPlan,
                                                   TransformerConfig, check_plan, stage_layers)
 
@@ -47,8 +47,6 @@ VOCAB_PAD = 128
 """Megatron pads the vocabulary to a multiple of 128 * tp (--make-vocab-size-divisible-by 128)."""
 GRAD_BUCKET_BYTES = 25e6
 """Gradient bucket size, bytes: torch DDP's default bucket_cap_mb=25."""
-FLASH_CAUSAL_WORK = 0.5
-"""Fraction of score blocks a causal FlashAttention kernel computes (the upper triangle is skipped)."""
 FLASH1_SLOWDOWN = 2.0
 """FlashAttention's first generation takes twice FlashAttention-2's time: "around
 2x speedup compared to FlashAttention" (Dao, FlashAttention-2, 2023, abstract;

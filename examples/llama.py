@@ -160,8 +160,24 @@ def long_context(seq: int = 32768, layers: int = 4, batch: int = 1):
     the attention's activations outgrow what tensor parallelism divides."""
     cfg = LlamaConfig(vocab=128256, seq=seq, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=layers,
                       rope_theta=500000.0)
+    return _on_meta(cfg, batch)
+
+
+def qwen_long_context(seq: int = 32768, layers: int = 4, batch: int = 1):
+    """FACTORY for the CLI: Qwen2.5-7B's layer shapes (Qwen Team, Qwen2.5
+    Technical Report, 2024, Table 1: hidden 3584, 28 query / 4 key-value
+    heads, 18944 FFN; vocabulary 152064 and RoPE base 10^6 from its released
+    configuration; its q/k/v biases left out) at a 32k-token sequence, on
+    the meta device. 28 heads do not split 8 ways: on one 8-GPU node tensor
+    parallelism alone divides attention by at most 4."""
+    cfg = LlamaConfig(vocab=152064, seq=seq, hidden=3584, heads=28, kv_heads=4, ffn=18944, layers=layers,
+                      rope_theta=1000000.0)
+    return _on_meta(cfg, batch)
+
+
+def _on_meta(cfg: LlamaConfig, batch: int):
     with torch.device("meta"):
         model = Llama(cfg)
-        idx = torch.zeros(batch, seq, dtype=torch.long)
-        target = torch.zeros(batch, seq, dtype=torch.long)
+        idx = torch.zeros(batch, cfg.seq, dtype=torch.long)
+        target = torch.zeros(batch, cfg.seq, dtype=torch.long)
     return model, (idx, target), lm_loss

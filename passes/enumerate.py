@@ -6,7 +6,7 @@ import logging
 import operator
 from dataclasses import dataclass
 
-from autopar.capture import Graph, Node, NodeKind
+from autopar.ir import Graph, Node, NodeKind
 from autopar.passes.rules import ReplicatedOnly, get_rule
 from torch.distributed.tensor import Shard
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from autopar.capture import Graph, NodeKind
 from autopar.cost_models.graph_costs import is_view, kept_outputs, needs_grad, saved_outputs, saves_input
 from autopar.errors import AutoparError
-from autopar.passes.cluster import layer_of, layer_lists, parse_layer
+from autopar.ir import Graph, NodeKind
+from autopar.passes.layer_classes import layer_of, layer_lists, parse_layer
 
 MODES = ("none", "selective", "full")
 

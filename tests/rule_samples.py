@@ -404,6 +404,8 @@ SAMPLES = [
     call(aten.scalar_tensor.default, 2.0),
     call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 4, 8, 8, seed=1), x(4, 4, 8, 8, seed=2),
        is_causal=True, name="causal"),
+    call(aten.scaled_dot_product_attention.default, x(2, 2, 12, 4), x(2, 2, 12, 4, seed=1), x(2, 2, 12, 4, seed=2),
+       is_causal=True, name="causal_odd_chunks"),  # 3 queries a rank on 4: contiguous chunks, not balanced
     call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 4, 8, 8, seed=1), x(4, 4, 8, 8, seed=2),
        mask(4, 1, 1, 8), name="mask"),
     call(aten.scaled_dot_product_attention.default, x(4, 4, 8, 8), x(4, 2, 8, 8, seed=1), x(4, 2, 8, 8, seed=2),

@@ -139,7 +139,7 @@ def test_ops_lists_the_rules_and_docs_ops_md_is_its_output(capsys):
     from autopar.passes.rules import registered_ops
     assert main(["ops", "embedding_bag"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("misc.embedding_bag_rule: embedding_bag, embedding_bag.padding_idx\n")
+    assert printed.startswith("embedding.embedding_bag_rule: embedding_bag, embedding_bag.padding_idx\n")
     assert "split the embedding dim" in printed
     assert main(["ops", "special_i1"]) == 1
     assert "no op matching 'special_i1' has a sharding rule: it runs replicated" in capsys.readouterr().out
@@ -248,8 +248,9 @@ def test_small_constants_written_in_forward_become_factories():
     that torch.export lifts out of forward: up to SMALL_CONSTANT elements it
     is rebuilt in the graph from its values (every rank alike), and the step
     computes what the model does; a larger one must be a registered buffer."""
-    from autopar.capture import SMALL_CONSTANT, NodeKind, capture
+    from autopar.capture import SMALL_CONSTANT, capture
     from autopar.errors import AutoparError
+    from autopar.ir import NodeKind
 
     class Picks(nn.Module):
         def __init__(self, table: int):
@@ -324,7 +325,8 @@ def test_assignments_into_activations_run_as_scatters():
     of place and is written back (select_scatter, slice_scatter); the scalar
     torch.export lifts out of forward is a replicated factory; every op has
     a rule. A view read again after the write is still refused by name."""
-    from autopar.capture import NodeKind, capture
+    from autopar.capture import capture
+    from autopar.ir import NodeKind
     from autopar.errors import AutoparError
     model, inputs, loss = load_factory("tests/fixtures/opzoo.py:editor")
     graph = capture(model, inputs, loss)
@@ -369,7 +371,8 @@ def test_columns_of_a_contiguous_copy_are_written_in_place_as_beit_does():
     contiguous (and reshape) may alias by their schema, but here they copy,
     so the writes run as scatters into the copy; capture refused the model
     before. Trains like one device: test_distributed's op families."""
-    from autopar.capture import NodeKind, capture
+    from autopar.capture import capture
+    from autopar.ir import NodeKind
     graph = capture(*load_factory("tests/fixtures/opzoo.py:relative_bias"))
     ops = [n.op_name for n in graph.nodes.values() if n.kind is NodeKind.OP]
     # ``rel[:, :, 0] += k`` is an in-place add on the view, then Python's

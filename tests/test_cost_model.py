@@ -204,6 +204,68 @@ def test_compiled_attention_counts_one_exponential_per_score():
     assert half > 1.5 * full
 
 
+@pytest.mark.parametrize("seq,mesh,causal,share,exchanges", [
+    (64, (1,), True, 0.5, 0),            # the masked score blocks skipped
+    (64, (1,), False, 1.0, 0),
+    (64, (4,), True, 0.5, 4),            # balanced chunks: the mean share, query/output halves exchanged
+    (36, (4,), True, 0.5 * 7 / 4, 0),    # 9 queries a rank do not halve: contiguous, the last rank's share
+    (64, (2, 2), True, 0.5, 4),          # over both axes of a 2-D mesh: balanced too
+    (64, (4,), False, 1.0, 0),           # not causal: every rank the same work
+])
+def test_causal_attention_prices_the_busiest_ranks_share(seq, mesh, causal, share, exchanges):
+    """Causal attention computes half the scores (FLASH_CAUSAL_WORK); with
+    its queries' sequence split over cp ranks (context parallelism) in
+    contiguous chunks the last rank computes (2cp - 1) / cp times the mean,
+    so where the chunks halve the program balances them (rank j holding
+    halves j and 2cp-1-j) at the price of four all-to-alls, which the plan
+    lists with the op (graph_costs.attention_share, op_moves)."""
+    from autopar.cost_models.graph_costs import CostContext, attention_share, op_moves
+    from autopar.passes.enumerate import enumerate_strategies
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    q = torch.randn(2, 4, seq, 8)
+    graph = _captured(Attention(), q, q.clone(), q.clone(), q.clone())
+    (node,) = [n for n in graph.nodes.values() if n.op_name == "scaled_dot_product_attention"]
+    strategies, _ = enumerate_strategies(graph, mesh)
+    whole = "S(2)" * len(mesh) if mesh != (1,) else "R"
+    (s,) = [s for s in strategies[node.name] if "".join(map(str, s.output)) == whole]
+    ctx = CostContext.make(mesh, A100)
+    assert attention_share(node, s, mesh) == pytest.approx(share)
+    fwd, bwd = op_moves(node, s, ctx, True)
+    assert len(fwd) + len(bwd) == exchanges and all(m.kind is Collective.ALL_TO_ALL for m in fwd + bwd)
+
+
+@pytest.mark.parametrize("mesh,split,collectives", [
+    ((4,), "S(0)", [(("x",), 4)]),                 # the batch split: mean and variance, and their gradients
+    ((2, 2), "S(0)S(2)", [(("x", "y"), 4)]),       # every axis splits it: one collective over the mesh
+    ((2, 2), "S(0)S(1)", [(("x",), 4)]),           # channels split over y: that axis needs none
+    ((4,), "S(1)", []),                            # channels only: each rank normalises its own
+])
+def test_batch_norm_over_a_split_batch_syncs_its_statistics(mesh, split, collectives):
+    """The program all-reduces a batch norm's per-channel mean and variance
+    over the axes that split its batch or spatial dims (spmd._batch_norm),
+    and their gradients in backward: collectives of the op itself, priced
+    and listed with it (graph_costs.op_moves)."""
+    from autopar.cost_models.graph_costs import CostContext, op_moves
+    from autopar.passes.enumerate import enumerate_strategies
+
+    graph = _captured(torch.nn.BatchNorm2d(8), torch.randn(4, 8, 6, 6), torch.randn(4, 8, 6, 6))
+    (node,) = [n for n in graph.nodes.values() if n.op_name == "batch_norm"]
+    strategies, _ = enumerate_strategies(graph, mesh)
+    (s,) = [s for s in strategies[node.name] if "".join(map(str, s.inputs[0])) == split]
+    names = ("x", "y")
+    fwd, bwd = op_moves(node, s, CostContext.make(mesh, A100), True)
+    got = {}
+    for m in fwd + bwd:
+        assert m.kind is Collective.ALL_REDUCE and m.seconds > 0
+        key = tuple(names[a] for a in (m.axes or (m.axis,)))
+        got[key] = got.get(key, 0) + 1
+    assert sorted(got.items()) == collectives
+
+
 def _captured_with(model, inputs, loss_fn):
     from autopar.capture import capture
     return capture(model, inputs, loss_fn=loss_fn)

@@ -207,9 +207,9 @@ def test_every_example_model_on_1d_and_2d_meshes(tmp_path):
     assert_agrees(reports)
     for r in reports:  # every plan splits work over the devices
         assert any("S(" in s for s in r["plan"]["strategies"].values()), r["label"]
-    for r in reports:  # ResNet's training-mode batch norm on batch shards: synchronised statistics
+    for r in reports:  # ResNet's training-mode batch norms split (batch or channels)
         if "resnet" in r["source"]:
-            assert any(k.startswith("batch_norm") and s.startswith("(S(0)")
+            assert any(k.startswith("batch_norm") and s.startswith("(S(")
                        for k, s in r["plan"]["strategies"].items()), r["label"]
 
 
@@ -234,6 +234,8 @@ def test_resnet50_layout_under_plans_that_split_batch_norms_and_convolutions(tmp
         placed = r["plan"]["strategies"].items()
         assert any(k.startswith("conv2d") and "P" in s.split("-> ")[1] for k, s in placed), r["label"]
         assert any(k.startswith("batch_norm") and "S(1)" in s.split(", ")[0] for k, s in placed), r["label"]
+    # on a split batch: synchronised statistics (spmd._batch_norm), in the random plan at least
+    assert any(k.startswith("batch_norm") and "S(0)" in s.split(", ")[0] for k, s in reports[1]["plan"]["strategies"].items())
 
 
 def test_op_families_the_examples_do_not_use(tmp_path):
@@ -308,20 +310,30 @@ def test_context_parallel_attention_trains_like_one_device(tmp_path):
     """Context parallelism (tests/fixtures/cp_ranks.py, one launch): every
     attention's queries split along the sequence and its keys and values
     gathered whole, on a mesh of 4 and on 2x2 (data x context, and context
-    over both axes), in causal attention (examples/llama.py, each rank's
-    queries seeing the keys up to its chunk: spmd._attention), under a
-    padding mask (examples/bert.py) and under transformers' own Llama with
-    its mask tensor, solved around the pinned attention (and on 2x2 also
-random). Each
-    trains like one device, and its attention is the split it was given."""
+    over both axes), in causal attention (examples/llama.py: chunks
+    balanced, query halves exchanged, on one axis and over both:
+    spmd._attention), under a padding mask (examples/bert.py), under
+    transformers' own Llama with its mask tensor and in explicit attention
+    (examples/gpt.py: the scores' product split by its queries), solved
+    around the pinned attention (and on 2x2 also random). Each trains like
+    one device, and its attention is the split it was given. Before the
+    models, the attention rows the rule tests cannot run rank by rank
+    (their ranks exchange halves) run on the real ranks, each exact."""
+    from test_rules import real_rank_cases
+
     out = tmp_path / "cp.json"
     proc = torchrun(["tests/fixtures/cp_ranks.py", "tests/fixtures/fastnet.json", str(out), "4,2x2"], 4)
     assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
-    reports = json.loads(out.read_text())
-    assert len(reports) == 9
+    got = json.loads(out.read_text())
+    # the attention rows the rule tests leave to real ranks (balanced causal chunks), each exact
+    want = [(m, sample.id, str(st)) for m, shape in (("4", (4,)), ("2x2", (2, 2))) for sample, st in real_rank_cases(shape)]
+    assert [(c["mesh"], c["sample"], c["strategy"]) for c in got["ops"]] == want and len(want) >= 4
+    assert all(not c["problems"] for c in got["ops"]), [c for c in got["ops"] if c["problems"]]
+    reports = got["models"]
+    assert len(reports) == 12
     assert_agrees(reports, drift=True)
     for r in reports:
-        attention = [s for k, s in r["plan"]["strategies"].items() if k.startswith("scaled_dot_product_attention")]
+        attention = [r["plan"]["strategies"][k] for k in r["pinned"]]
         want = "S(2)" if r["mesh"] == "4" else "S(0)S(2)" if "pinned" in r["label"] else "S(2)S(2)"
         assert attention and all(s.endswith(f"-> {want}") for s in attention), (r["label"], attention)
 

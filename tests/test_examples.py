@@ -20,7 +20,8 @@ def _factory(name: str, attr: str = "small"):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_example_captures_with_a_rule_for_every_op(name):
-    from autopar.capture import NodeKind, capture
+    from autopar.capture import capture
+    from autopar.ir import NodeKind
 
     model, inputs, loss_fn = _factory(name)(batch=8)
     graph = capture(model, inputs, loss_fn)

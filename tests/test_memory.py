@@ -5,7 +5,7 @@ import torch
 import autopar
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext, memory_breakdown, param_bytes
-from autopar.capture import NodeKind
+from autopar.ir import NodeKind
 from autopar.passes.strategy import R, S, Strategy
 from autopar.runtime import load_factory
 
@@ -334,7 +334,7 @@ def test_a_layer_written_in_its_parents_forward_is_one_region_with_its_glue():
     interleave, auto plans without that option and warns."""
     from autopar.capture import capture
     from autopar.errors import AutoparError
-    from autopar.passes.cluster import layer_of
+    from autopar.passes.layer_classes import layer_of
     from autopar.passes.recompute import recomputation
     ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "fp32")
     graph = capture(*load_factory("tests/fixtures/gluenet.py:small"))

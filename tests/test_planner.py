@@ -153,7 +153,7 @@ def test_the_program_syncs_the_gradients_the_plan_prices():
 
 def test_layer_classes_peel_instances_off_the_ends():
     from autopar.capture import capture
-    from autopar.passes.cluster import deeper_ends, layer_classes, repeated_layers
+    from autopar.passes.layer_classes import deeper_ends, layer_classes, repeated_layers
     model, inputs, loss = _meta_gpt(layers=6, hidden=64, seq=16, batch=4, heads=4, vocab=64)
     graph = capture(model, inputs, loss)
     (blocks,) = repeated_layers(graph)
@@ -551,7 +551,7 @@ def test_a_trailing_regather_pins_zero_3():
     which are. (benchmarks/runtime_vs_torch.py's zero3 case pins every
     parameter so and checks that the plan is ZeRO-3.)"""
     from autopar.capture import capture
-    from autopar.passes.cluster import layer_classes
+    from autopar.passes.layer_classes import layer_classes
     from autopar.passes.enumerate import enumerate_strategies
     from autopar.planner import _pins
     model, inputs, loss = load_factory(f"{ROOT}/examples/mlp.py:small")
@@ -569,13 +569,15 @@ def test_a_trailing_regather_pins_zero_3():
 
 
 def test_long_context_llama_picks_context_parallelism():
-    """Llama 3 8B's layer at a 32k-token sequence (examples/llama.py,
-    long_context) on one 8-GPU node as 2x4: the planner splits attention's
-    sequence over the first axis (context parallelism, keys and values
-    gathered) and its heads over the second, because in its cost model that
-    beats the best plan whose attention splits heads only (tensor
-    parallelism over all 8 GPUs, solved with attention pinned so), and
-    ``autopar explain`` says so in those words."""
+    """Qwen2.5-7B's layer (a Llama with 28 query / 4 key-value heads,
+    examples/llama.py, qwen_long_context) at a 32k-token sequence on one
+    8-GPU node as 2x4: 28 heads do not split 8 ways, so the planner splits
+    attention's heads over the second axis and its sequence over the first
+    (context parallelism: keys and values gathered, the causal chunks
+    balanced), because in its cost model that beats the best plan whose
+    attention splits heads only (over the second axis, whole on the first:
+    solved with attention pinned so), and ``autopar explain`` says so in
+    those words."""
     import importlib.util
 
     from autopar.capture import capture
@@ -588,14 +590,16 @@ def test_long_context_llama_picks_context_parallelism():
     spec = importlib.util.spec_from_file_location("llama_example", os.path.join(ROOT, "examples", "llama.py"))
     llama = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(llama)
-    model, inputs, loss = llama.long_context(layers=1)
+    model, inputs, loss = llama.qwen_long_context(layers=1)
     plan = autopar.compile(model, inputs, mesh="2x4", cluster="dgx-a100", loss_fn=loss, precision="bf16")
     (attention,) = [n for n in plan.nodes if n.name.startswith("scaled_dot_product_attention")]
     assert attention.strategy == "(S(2)S(1), RS(1), RS(1)) -> S(2)S(1)"
+    assert [c["kind"] for c in plan.collectives if c["node"] == attention.name and c["producer"] == attention.name] \
+        == ["all_to_all"] * 4  # query halves in, output halves back; their gradients in backward
 
     graph = capture(model, inputs, loss)
     strategies, _ = enumerate_strategies(graph, (2, 4))
-    heads = [str(s) for s in strategies[attention.name]].index("(S(1)S(1), S(1)S(1), S(1)S(1)) -> S(1)S(1)")
+    heads = [str(s) for s in strategies[attention.name]].index("(RS(1), RS(1), RS(1)) -> RS(1)")
     ctx = CostContext.make((2, 4), get_cluster("dgx-a100"), precision="bf16")
     tensor_parallel = solve(graph, strategies, ctx, pinned={attention.name: heads},
                             memory_budget=get_cluster("dgx-a100").device.memory)
@@ -604,4 +608,5 @@ def test_long_context_llama_picks_context_parallelism():
 
     text = explain(plan, attention.name, graph=graph)
     chosen = text.split("chosen:")[1].split("next best")[0]
-    assert "x: sequence split, keys and values gathered (context parallel); y: heads split" in chosen
+    assert ("x: sequence split, keys and values gathered (context parallel), causal work balanced (query halves "
+            "exchanged); y: heads split") in chosen

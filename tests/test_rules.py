@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import use_grads
 from autopar.cost_models.resharding import as_sum, producer_grad_spec
-from autopar.passes.rules import OpInfo, TensorArg, TensorMeta, get_rule, registered_ops
+from autopar.ir import OpInfo, TensorArg, TensorMeta
+from autopar.passes.rules import get_rule, registered_ops
 from autopar.passes.strategy import Strategy, expand_to_mesh, fmt_spec, local_shape
 from rule_samples import SAMPLES, Sample, gen, idx, x  # tests/ is on sys.path under pytest
 
@@ -183,7 +184,7 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
     """Run the op as the emitted program does (autopar.codegen / autopar.spmd), on local shards."""
     from autopar import spmd
     from autopar.codegen import RESHAPES
-    from autopar.passes.rules.misc import FACTORIES, RANDOM_FACTORIES
+    from autopar.passes.rules.factory import FACTORIES, RANDOM_FACTORIES
 
     a, kw = pytree.tree_unflatten(args, spec)
     with spmd.use_mesh(mesh):
@@ -328,8 +329,14 @@ def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
     integers. Outputs, and for deterministic ops the input gradients of a
     random cotangent (each rank given its piece), reassembled by the
     placements codegen assumes, equal the single-device op's."""
-    from autopar import spmd
+    case = local_impl_case(sample, strategy, mesh_shape)
+    runs = [local_impl_rank(case, r, _RankMesh(c, mesh_shape)) for r, c in enumerate(_coords(mesh_shape))]
+    return local_impl_problems(case, [o for o, _ in runs], [g for _, g in runs])
 
+
+def local_impl_case(sample: Sample, strategy, mesh_shape) -> dict:
+    """What ``run_local_impl`` runs and compares with: the single-device
+    outputs and input gradients, each rank's inputs and cotangent."""
     flat, spec = pytree.tree_flatten((sample.args, sample.kwargs))
     tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
     refs, cots, ref_grads, _ = _reference(sample, flat, spec, tensors)
@@ -337,34 +344,72 @@ def run_local_impl(sample: Sample, strategy, mesh_shape=(WORLD,)) -> list[str]:
         ref_grads = {}
     local_in = {i: place(flat[i], s, mesh_shape, seed=1000 + k)
                 for k, (i, s) in enumerate(zip(tensors, strategy.inputs))}
-    out_spec = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
     cot = place(cots[0], producer_grad_spec(strategy.output), mesh_shape, 0) if ref_grads else {}
-    outs, grads = {}, {}
-    for r, c in enumerate(_coords(mesh_shape)):
-        mine = {i: local_in[i][r].detach().requires_grad_() if i in ref_grads else local_in[i][r] for i in local_in}
-        a, kw = pytree.tree_unflatten([mine.get(i, v) for i, v in enumerate(flat)], spec)
-        out = spmd.LOCAL_IMPLS[sample.target](sample.target, _RankMesh(c, mesh_shape),
-                                              spmd._strategy(str(strategy), len(mesh_shape)), a, kw)
-        if ref_grads:
-            _real(out * cot[r]).sum().backward()
-            grads[r] = {i: mine[i].grad for i in ref_grads}
-        outs[r] = out.detach()
+    return dict(sample=sample, strategy=strategy, mesh_shape=tuple(mesh_shape), flat=flat, spec=spec,
+                tensors=tensors, ref=refs[0], ref_grads=ref_grads, local_in=local_in, cot=cot)
+
+
+def local_impl_rank(case: dict, r: int, mesh) -> tuple:
+    """Rank ``r``'s output and input gradients (index -> gradient), run
+    through the op's local implementation on ``mesh`` (a ``_RankMesh``, or
+    the real DeviceMesh of a torchrun job, where the implementation
+    communicates: tests/fixtures/cp_ranks.py)."""
+    from autopar import spmd
+
+    sample, strategy, ref_grads, local_in = case["sample"], case["strategy"], case["ref_grads"], case["local_in"]
+    mine = {i: local_in[i][r].detach().requires_grad_() if i in ref_grads else local_in[i][r] for i in local_in}
+    a, kw = pytree.tree_unflatten([mine.get(i, v) for i, v in enumerate(case["flat"])], case["spec"])
+    out = spmd.LOCAL_IMPLS[sample.target](sample.target, mesh,
+                                          spmd._strategy(str(strategy), len(case["mesh_shape"])), a, kw)
+    grads = {}
+    if ref_grads:
+        _real(out * case["cot"][r]).sum().backward()
+        grads = {i: mine[i].grad for i in ref_grads}
+    return out.detach(), grads
+
+
+def local_impl_problems(case: dict, outs: list, grads: list) -> list[str]:
+    """What differs from the single-device op, given every rank's output and gradients."""
+    strategy, mesh_shape, ref = case["strategy"], case["mesh_shape"], case["ref"]
+    out_spec = tuple(Partial() if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in strategy.output)
     try:
-        full = assemble(outs, out_spec, mesh_shape)  # replicas must agree
+        full = assemble(dict(enumerate(outs)), out_spec, mesh_shape)  # replicas must agree
     except AssertionError as e:
         return [f"output: {e}"]
-    ref = refs[0]
-    if not sample.values:  # random draws: the shape, and replicas alike
+    if not case["sample"].values:  # random draws: the shape, and replicas alike
         return [] if full.shape == ref.shape else [f"output: shape {tuple(full.shape)}, expected {tuple(ref.shape)}"]
     if not _close(full, ref):
         return [f"output: values differ from the single-device op (max abs error {(full - ref).abs().max().item()})"]
     problems = []
     placed = use_grads(strategy)
-    for i, want in ref_grads.items():
-        k = tensors.index(i)
-        problems += _differs({r: g[i] for r, g in grads.items()}, placed[k], mesh_shape, want,
+    for i, want in case["ref_grads"].items():
+        k = case["tensors"].index(i)
+        problems += _differs({r: g[i] for r, g in enumerate(grads)}, placed[k], mesh_shape, want,
                              f"input {k}: gradient placed {fmt_spec(placed[k])}")
     return problems
+
+
+def communicates(sample: Sample, strategy, mesh_shape) -> bool:
+    """Whether the op's local implementation exchanges data between ranks
+    under this strategy, which a rank-by-rank check cannot run: causal
+    attention whose sequence split runs balanced (passes/rules/attention.py,
+    zigzag_axes). tests/fixtures/cp_ranks.py checks these on real ranks,
+    with this module's case, run and comparison."""
+    from autopar.passes.rules.attention import zigzag_axes
+
+    if sample.target is not aten.scaled_dot_product_attention.default or not sample.kwargs.get("is_causal"):
+        return False
+    q, seq = sample.args[0], sample.args[0].ndim - 2
+    local = local_shape(q.shape, strategy.inputs[0], mesh_shape)
+    return zigzag_axes(strategy.inputs[0], seq, local[seq], tuple(mesh_shape)) is not None
+
+
+def real_rank_cases(mesh_shape) -> list:
+    """(sample, strategy) pairs whose local implementation communicates on
+    this mesh (``communicates``), every strategy of every sample: the rule
+    tests leave them (those they sample) to real ranks."""
+    return [(sample, st) for sample in SAMPLES if get_rule(sample.target) is not None
+            for st in strategies_for(sample, mesh_shape) if communicates(sample, st, mesh_shape)]
 
 
 def check(sample: Sample, strategy, mesh_shape) -> list[str]:
@@ -385,21 +430,35 @@ MESH_2D = (2, 2)
 PER_SAMPLE_2D = 2
 
 
-def _strategy_params(mesh_shape):
-    params = []
+def _sampled_strategies(mesh_shape) -> list:
+    """(sample, strategy) pairs the rule tests check on this mesh: every
+    strategy on a 1-D mesh; on a 2-D one the genuinely 2-D combinations, a
+    few per op (strategy None: no rule)."""
+    pairs = []
     for sample in SAMPLES:
         if get_rule(sample.target) is None:
-            params.append(pytest.param(sample, None, id=f"{sample.id}-NO_RULE"))
+            pairs.append((sample, None))
             continue
         strategies = strategies_for(sample, mesh_shape)
-        if len(mesh_shape) > 1:  # the genuinely 2-D combinations, a few per op
+        if len(mesh_shape) > 1:
             mixed = [st for st in strategies
                      if all(any(not isinstance(p[a], Replicate) for p in (*st.inputs, st.output)) for a in range(2))]
             strategies = mixed[:: max(1, len(mixed) // PER_SAMPLE_2D)][:PER_SAMPLE_2D]
-        for st in strategies:
-            wrong = [KNOWN_WRONG[(sample.id, r)] for r in _axis_rows(st) if (sample.id, r) in KNOWN_WRONG]
-            marks = [pytest.mark.xfail(strict=True, reason=wrong[0])] if wrong else []
-            params.append(pytest.param(sample, st, id=f"{sample.id}-{st}", marks=marks))
+        pairs += [(sample, st) for st in strategies]
+    return pairs
+
+
+def _strategy_params(mesh_shape):
+    params = []
+    for sample, st in _sampled_strategies(mesh_shape):
+        if st is None:
+            params.append(pytest.param(sample, None, id=f"{sample.id}-NO_RULE"))
+            continue
+        if communicates(sample, st, mesh_shape):
+            continue  # checked on real ranks: real_rank_cases, tests/test_distributed.py
+        wrong = [KNOWN_WRONG[(sample.id, r)] for r in _axis_rows(st) if (sample.id, r) in KNOWN_WRONG]
+        marks = [pytest.mark.xfail(strict=True, reason=wrong[0])] if wrong else []
+        params.append(pytest.param(sample, st, id=f"{sample.id}-{st}", marks=marks))
     return params
 
 
@@ -543,14 +602,14 @@ EINSUM_FORMS = [
 
 @pytest.mark.parametrize("equation,ndims,expected", EINSUM_FORMS)
 def test_normalize_equation(equation, ndims, expected):
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     assert normalize_equation(equation, ndims) == expected
 
 
 def test_normalize_equation_rejects_wrong_operand_count():
     from autopar.errors import AutoparError
-    from autopar.passes.rules.extra import normalize_equation
+    from autopar.passes.rules.matmul import normalize_equation
 
     with pytest.raises(AutoparError, match="names 2 operands; the call passes 1"):
         normalize_equation("ij,jk->ik", [2])

@@ -8,7 +8,7 @@ from autopar import solver
 from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext
-from autopar.passes.cluster import layer_classes
+from autopar.passes.layer_classes import layer_classes
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.runtime import load_factory
 from conftest import ROOT

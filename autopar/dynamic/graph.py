@@ -25,10 +25,10 @@ import sympy
 import torch
 from torch.export import Dim
 
-from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.capture import capture
 from autopar.dynamic.symbols import SymbolRange
 from autopar.errors import AutoparError
-from autopar.passes.rules import OpInfo, TensorArg, TensorMeta
+from autopar.ir import Graph, Node, NodeKind, OpInfo, TensorArg, TensorMeta
 
 
 class SymbolicGraph:

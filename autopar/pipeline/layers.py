@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-from autopar.capture import Graph, NodeKind
 from autopar.errors import AutoparError
+from autopar.ir import Graph, NodeKind
 
 
 @dataclass

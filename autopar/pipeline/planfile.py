@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 from torch.distributed.tensor import Replicate
 
-from autopar.capture import NodeKind
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, produced, saved_outputs,
+    CostContext, SharedReshards, edge_moves, needs_grad, node_compute, node_memory, op_moves, produced, saved_outputs,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
+from autopar.ir import NodeKind
 from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, local_shape, parse_spec, shard_factor
 from autopar.plan import NodePlan, Plan
@@ -170,6 +170,12 @@ def _collectives(cand: Candidate, ctx: CostContext, stage_of: dict, mesh: Mesh, 
     for node in graph.nodes.values():
         s = chosen[node.name]
         stage = stage_of.get(node.name, len(cand.ranges) - 1)
+        for phase, moves in zip(("forward", "backward"), op_moves(node, s, ctx, node.name in grad)):
+            for mv in moves:  # collectives inside the op
+                out.append({"kind": mv.kind.value, "phase": phase,
+                            "mesh_axes": [inner.names[a] for a in mv.axes or (mv.axis,)],
+                            "bytes": mv.nbytes, "seconds": mv.seconds, "node": node.name, "producer": node.name,
+                            "tensor": node.name, "gradient_sync": False, "stage": stage, "per_step": m})
         for idx, src in enumerate(node.inputs):
             backward = node.name in grad and src in grad
             if not reshards.pays(node, idx, src, s, backward):

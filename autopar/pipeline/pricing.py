@@ -11,17 +11,18 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar import plancache
-from autopar.capture import Graph, Node, NodeKind, capture
+from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import Collective, collective_time
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, _dtype_name, backward_working_set, edge_memory, edge_moves, memory_breakdown,
-    gradient_transient, kept_outputs, needs_grad, node_compute, produced, saves_input, op_flops,
+    gradient_transient, kept_outputs, needs_grad, node_compute, op_moves, produced, saves_input, op_flops,
 )
 from autopar.cost_models.resharding import transitions
 from autopar.errors import AutoparError
+from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
-from autopar.passes.cluster import layer_classes
+from autopar.passes.layer_classes import layer_classes
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
@@ -159,7 +160,7 @@ class Profile:
 class _StageILP:
     """The intra-operator ILP on one stage submesh at one microbatch size,
     before it is solved: identical layers share variables
-    (passes/cluster.py), and no memory row (the stage search checks memory
+    (passes/layer_classes.py), and no memory row (the stage search checks memory
     per stage). Mirrors autopar.compile's steps."""
 
     graph: Graph
@@ -226,6 +227,7 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         f, b = node_compute(node, s, ctx, backward)
         lc.fwd_s += f
         lc.bwd_s += b
+        lc.comm_s += sum(mv.seconds for moves in op_moves(node, s, ctx, backward) for mv in moves)
         parts = memory_breakdown(node, s, ctx, kept_share.get(node.name, 0.0))
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)

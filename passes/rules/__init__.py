@@ -10,7 +10,9 @@ non-tensor arguments) and returns ``Row``s: for one mesh axis, the placement of
 the output and of each tensor input, in the order they appear in the args.
 """
 from autopar.passes.rules.base import (  # noqa: F401  (the registry, with every rule below loaded)
-    OpInfo, ReplicatedOnly, Rule, TensorArg, TensorMeta, get_rule, op_label, register, registered_ops, rule_table,
+    ReplicatedOnly, Rule, get_rule, register, registered_ops, rule_table,
 )
-from autopar.passes.rules import (along, conv, distance, experts, extra, matmul, misc, norm,  # noqa: F401,E402
-                                  pointwise, recurrent, reduction, view)
+from autopar.passes.rules import (  # noqa: F401,E402
+    along, attention, conv, distance, embedding, experts, factory, indexing, loss, matmul, norm, pointwise, recurrent,
+    reduction, spatial, view,
+)

@@ -1,18 +1,19 @@
 """Ops that work along some dims and treat every other dim independently:
 statistics and selections over dims (var, std, logsumexp, max/min/argmax over a
-dim, prod, all/any), order and position ops (sort, cumprod, flip, roll, tril,
-triu), padding, repetition. Splitting a dim they do not work along is exact;
-splitting one they do would change the result, so those rows do not exist.
-Also fills and the factories that take only a dtype and device from a tensor.
+dim, prod, all/any, topk), scans (cumsum, cumprod), order and position ops
+(sort, flip, roll, tril, triu), padding, repetition. Splitting a dim they do
+not work along is exact; splitting one they do would change the result, so
+those rows do not exist.
 """
 from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.rules.reduction import reduction_rows
 from autopar.passes.rules.view import other_dims_rows
-from autopar.passes.strategy import R, Row, S
+from autopar.passes.strategy import P, R, Row, S
 
 
 def _dims(value, nd: int) -> list:
@@ -177,28 +178,24 @@ def repeat_rule(info: OpInfo):
     return rows
 
 
-@register(aten.expand_as.default)
-def expand_as_rule(info: OpInfo):
-    """x.expand_as(other): each output dim split with ``other``'s, and with
-    x's where x has it at full size (a broadcast dim of x stays whole)."""
-    x, out = info.inputs[0].shape, info.out.shape
-    lead = len(out) - len(x)
-    rows = []
-    for d in range(len(out)):
-        if out[d] == 1:
-            continue
-        i = d - lead
-        rows.append(Row(S(d), (S(i) if i >= 0 and x[i] == out[d] else R, S(d))))
-    rows.append(Row(R, (R, R)))
+@register(aten.topk.default)
+def topk_rule(info: OpInfo):
+    """topk(self, k, dim=-1) -> (values, indices): any dim but the selected one splits."""
+    x = info.inputs[0]
+    dim = info.arg(2, "dim", -1) % max(x.ndim, 1)
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    rows.append(Row(R, (R,)))
     return rows
 
 
-@register(aten.fill.Scalar, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-          aten.new_empty.default)
-def fill_rule(info: OpInfo):
-    """fill(x, v) keeps x's shape: it splits with x. new_* make a tensor of a
-    given size (the input only gives dtype and device): the same replicated
-    tensor on every rank."""
-    if info.target is aten.fill.Scalar:
-        return other_dims_rows(info, [])
-    return [Row(R, (R,) * len(info.inputs))]
+@register(aten.cumsum.default)
+def cumsum_rule(info: OpInfo):
+    """cumsum(self, dim): the scanned dim stays whole; a floating-point scan is
+    linear, so a Partial input gives a Partial output."""
+    x = info.inputs[0]
+    dim = info.arg(1, "dim") % max(x.ndim, 1)
+    rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if d != dim and x.shape[d] > 1]
+    if x.dtype.is_floating_point and info.arg(2, "dtype") is None:
+        rows.append(Row(P, (P,)))
+    rows.append(Row(R, (R,)))
+    return rows

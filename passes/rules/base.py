@@ -1,65 +1,17 @@
-"""The op-rule registry's pieces: the value types a rule reads (``OpInfo``,
-``TensorMeta``) and writes, ``register`` / ``get_rule``, and how plans name
-an op. The rules themselves (the other modules of this package) import them
-from here; ``autopar.passes.rules`` re-exports them with every rule loaded.
+"""The op-rule registry: ``register`` / ``get_rule`` and the table of rules.
+The rules themselves (the other modules of this package) read the graph IR's
+``OpInfo`` (autopar/ir.py) and register here; ``autopar.passes.rules``
+re-exports the registry with every rule loaded.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from autopar.errors import AutoparError
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple
-    dtype: torch.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
-
-
-class TensorArg:
-    """Stands for the i-th tensor input inside ``OpInfo.args``."""
-
-    __slots__ = ("index", "meta")
-
-    def __init__(self, index: int, meta: TensorMeta):
-        self.index, self.meta = index, meta
-
-    def __repr__(self):
-        return f"TensorArg({self.index}, {self.meta.shape})"
-
-
-@dataclass
-class OpInfo:
-    target: object
-    args: tuple
-    kwargs: dict
-    inputs: list  # list[TensorMeta], tensor inputs in order of appearance
-    outputs: list  # list[TensorMeta]
-
-    @property
-    def out(self) -> TensorMeta:
-        return self.outputs[0]
-
-    def arg(self, i: int, name: str, default=None):
-        """Positional argument i, or keyword ``name``, or ``default``."""
-        if i < len(self.args):
-            return self.args[i]
-        return self.kwargs.get(name, default)
+from autopar.ir import op_label
 
 
 @dataclass(frozen=True)
@@ -101,13 +53,6 @@ def get_rule(target) -> Rule | None:
 
 def registered_ops() -> list:
     return sorted(str(t) for t in _RULES)
-
-
-def op_label(target) -> str:
-    """How plans name an op: "linear", "transpose.int", "getitem"."""
-    if target is operator.getitem:
-        return "getitem"
-    return str(target).replace("aten.", "").replace(".default", "")
 
 
 def rule_table() -> list:

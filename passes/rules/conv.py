@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.strategy import P, R, Row, S
 
 

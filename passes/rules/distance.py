@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
-from autopar.passes.rules.misc import REDUCTION
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
+from autopar.passes.rules.loss import REDUCTION
 from autopar.passes.rules.view import other_dims_rows
 from autopar.passes.strategy import R, Row, S
 

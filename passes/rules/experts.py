@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, ReplicatedOnly, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import ReplicatedOnly, register
 from autopar.passes.strategy import P, R, Row, S
 
 GROUPED_MM_FALLBACK = "transformers.grouped_mm_fallback.default"

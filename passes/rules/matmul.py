@@ -6,7 +6,9 @@ import string
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.errors import AutoparError
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.strategy import P, R, Row, S
 
 
@@ -136,3 +138,37 @@ def matmul_rule(info: OpInfo):
 def _rotate(info: OpInfo) -> OpInfo:
     """Move the first tensor input (the additive one) to the end."""
     return OpInfo(info.target, info.args, info.kwargs, info.inputs[1:] + info.inputs[:1], info.outputs)
+
+
+def normalize_equation(equation: str, ndims: list[int]) -> str:
+    """Explicit, ellipsis-free form of an einsum equation: 'bij,bjk' -> 'bij,bjk->bik',
+    '...ij,jk->...ik' with a 3-D first operand -> 'Aij,jk->Aik'."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, out = equation.partition("->")
+    operands = lhs.split(",")
+    if len(operands) != len(ndims):
+        raise AutoparError(f"einsum equation {equation!r} names {len(operands)} operands; the call passes {len(ndims)}")
+    used = set(equation) - set(".,->")
+    spare = [c for c in string.ascii_uppercase + string.ascii_lowercase if c not in used]
+    widths = [n - len(op.replace("...", "")) if "..." in op else 0 for op, n in zip(operands, ndims)]
+    width = max(widths, default=0)
+    ell = "".join(spare[:width])
+    operands = [op.replace("...", ell[width - w:]) for op, w in zip(operands, widths)]
+    if arrow:
+        out = out.replace("...", ell)
+    else:
+        counts = {c: "".join(operands).count(c) for c in "".join(operands)}
+        out = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    return ",".join(operands) + "->" + out
+
+
+@register(aten.einsum.default, matmul=True)
+def einsum_rule(info: OpInfo):
+    """einsum(equation, tensors): split any output letter (operands without it
+    stay replicated) or any summed letter (the output is Partial). An operand
+    that repeats a letter (a diagonal) is only replicated."""
+    equation = normalize_equation(info.arg(0, "equation"), [m.ndim for m in info.inputs])
+    operands = equation.split("->")[0].split(",")
+    if any(len(set(op)) != len(op) for op in operands):
+        return [Row(R, (R,) * len(info.inputs))]
+    return einsum_rows(equation, info)

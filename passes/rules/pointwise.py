@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.strategy import P, R, Row, S
 
 
@@ -148,3 +149,16 @@ def scaling_rule(info: OpInfo):
 
 def is_partial_sum(p) -> bool:
     return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(info: OpInfo):
+    """broadcast_tensors(tensors) -> one tensor per input, all of the common shape.
+
+    Every output takes the row's placement: an input replicated along a split
+    output dim, broadcast against the local shard of another input, gives
+    exactly the local shard of its broadcast."""
+    rows = broadcast_rows(info)
+    if all(m.shape == info.out.shape for m in info.inputs):
+        rows.append(Row(P, (P,) * len(info.inputs)))
+    return rows

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, ReplicatedOnly, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import ReplicatedOnly, register
 from autopar.passes.strategy import R, Row, S
 
 RECURRENT = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.strategy import R, Row, S
 
 _PARTIAL = {

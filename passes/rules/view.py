@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from torch.ops import aten
 
-from autopar.passes.rules.base import OpInfo, register
+from autopar.ir import OpInfo
+from autopar.passes.rules.base import register
 from autopar.passes.strategy import P, R, Row, S
 
 
@@ -202,4 +203,20 @@ def stack_rule(info: OpInfo):
     x = info.inputs[0]
     rows = [Row(S(d if d < dim else d + 1), (S(d),) * len(info.inputs)) for d in range(x.ndim) if x.shape[d] > 1]
     rows.append(Row(R, (R,) * len(info.inputs)))
+    return rows
+
+
+@register(aten.expand_as.default)
+def expand_as_rule(info: OpInfo):
+    """x.expand_as(other): each output dim split with ``other``'s, and with
+    x's where x has it at full size (a broadcast dim of x stays whole)."""
+    x, out = info.inputs[0].shape, info.out.shape
+    lead = len(out) - len(x)
+    rows = []
+    for d in range(len(out)):
+        if out[d] == 1:
+            continue
+        i = d - lead
+        rows.append(Row(S(d), (S(i) if i >= 0 and x[i] == out[d] else R, S(d))))
+    rows.append(Row(R, (R, R)))
     return rows

@@ -1,4 +1,4 @@
-"""Repeated-layer clustering: nodes of identical layers share one set of ILP
+"""Classes of repeated layers: nodes of identical layers share one set of ILP
 variables, so a 96-layer model costs the ILP what one layer does.
 
 A layer is a numbered module (``blocks.7``, ``h.7``, ``layers.7``...): every
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from autopar.capture import Graph, NodeKind
+from autopar.ir import Graph, NodeKind
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
