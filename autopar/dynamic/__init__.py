@@ -70,7 +70,15 @@ def plan_dynamic(model, example_inputs, *, dynamic: dict, dims: dict | None = No
     pieces = search.run(found)
     for w in notes.values():
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return _assemble(sg, pricer, search, pieces, start, deterministic)
+    plan = _assemble(sg, pricer, search, pieces, start, deterministic)
+    binds = [p.point for p in search.probes.values()
+             if not any("memory cannot bind" in k for k in (p.plan.solver.get("pruned") or {}))]
+    if cluster.host is not None and binds:
+        msg = (f"memory may bind at {dict(zip(pricer.names, binds[0]))}, where a compile of one size may keep "
+               "some optimizer state in host memory (offload); a dynamic plan keeps it all on the devices")
+        warnings.warn("autopar: " + msg, stacklevel=2)
+        plan.warnings.append(msg)
+    return plan
 
 
 def _peeled(pricer: Pricer, found: list) -> list:
