@@ -275,6 +275,14 @@ def test_a_size_outside_every_piece_is_refused_with_the_declared_sizes(small_pla
             dyn.piece({"batch": batch})
 
 
+def test_a_size_no_plan_fits_is_named():
+    model, inputs = gpt(8)
+    with pytest.raises(autopar.InfeasibleError, match=r"at batch = 256, one of the sizes dynamic declares: no plan "
+                                                      r"fits in 1.91 MiB per device"):
+        autopar.compile(model, inputs, mesh=4, cluster="cpu", loss_fn=lm_loss, memory=2e6,
+                        dynamic={"batch": (4, 256, 4)})
+
+
 def test_dynamic_is_planned_without_a_pipeline():
     model, inputs = gpt(8)
     with pytest.raises(AutoparError, match="planned without a pipeline.*pipeline_stages"):

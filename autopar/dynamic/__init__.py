@@ -28,7 +28,7 @@ from autopar.dynamic.planfile import Dynamic
 from autopar.dynamic.pricing import COMPONENTS, Assignment, Curve, Pricer, shift
 from autopar.dynamic.search import Search
 from autopar.dynamic.symbols import SymbolRange, parse_dims, parse_range, resolve
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import parse_mesh
 from autopar.passes.enumerate import enumerate_strategies
 from autopar.plan import Plan
@@ -58,9 +58,15 @@ def plan_dynamic(model, example_inputs, *, dynamic: dict, dims: dict | None = No
         from autopar.planner import plan_flat
         with warnings.catch_warnings(record=True) as caught:  # said once, below, not once per size
             warnings.simplefilter("always")
-            plan = plan_flat(None, None, mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory,
-                             optimizer=optimizer, precision=precision, relative_gap=relative_gap, source=source,
-                             deterministic=deterministic, offload=False, graph=sg.specialize(values), **flat_options)
+            try:
+                plan = plan_flat(None, None, mesh=mesh, cluster=cluster, loss_fn=loss_fn, memory=memory,
+                                 optimizer=optimizer, precision=precision, relative_gap=relative_gap, source=source,
+                                 deterministic=deterministic, offload=False, graph=sg.specialize(values),
+                                 **flat_options)
+            except InfeasibleError as e:
+                at = ", ".join(f"{k} = {v}" for k, v in values.items())
+                raise InfeasibleError(f"at {at}, one of the sizes dynamic declares: {e}; or declare a range that "
+                                      "stops below it", needed_bytes=e.needed_bytes, status=e.status) from None
         for w in caught:
             notes.setdefault(str(w.message), w)
         return plan
