@@ -78,15 +78,22 @@ def run(name, spec, mesh, dynamic, batch, seq, samples, tolerance):
         static_s.append(time.perf_counter() - t)
         i = dyn.piece({symbol: v})
         mine = pricer.cost(Assignment.of(dyn.plan(i)), dyn.lattices[i], (v,))
-        excess.append(mine / best.predicted["step_time_s"] - 1)
+        excess.append((mine / best.predicted["step_time_s"] - 1, v, best.solver["status"],
+                       best.solver["objective"] / best.predicted["step_time_s"] - 1))
     mean_static = sum(static_s) / len(static_s)
     search = plan.dynamic["search"]
     print(f"{name}: {len(dyn.pieces)} pieces on {search['lattices']} lattices, {search['probes']} ILPs, "
           f"{search['prices']} sizes priced; dynamic compile {dynamic_s:.1f} s, a static compile {mean_static:.2f} s "
           f"mean ({len(static_s)} sizes), so {s.count} static compiles ~{mean_static * s.count:.0f} s "
           f"({mean_static * s.count / dynamic_s:.1f}x the dynamic compile); piece plan vs static optimum at "
-          f"{len(excess)} sizes: worst {max(excess):+.3%}, mean {sum(excess) / len(excess):+.3%}, best "
-          f"{min(excess):+.3%} (tolerance {tolerance:.1%})", flush=True)
+          f"{len(excess)} sizes: worst {_at(max(excess), symbol)}, mean {sum(e[0] for e in excess) / len(excess):+.3%},"
+          f" best {_at(min(excess), symbol)} (tolerance {tolerance:.1%})", flush=True)
+
+
+def _at(e, symbol) -> str:
+    """An excess, where, and what the static compile there said (status; its ILP objective against its
+    predicted step: where they differ, a plan found at another size may price faster than the ILP's)."""
+    return f"{e[0]:+.3%} at {symbol} {e[1]} (static {e[2]}, ILP objective {e[3]:+.2%} off its predicted step)"
 
 
 def main():

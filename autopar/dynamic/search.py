@@ -3,15 +3,16 @@
 On each lattice (sizes that divide alike, autopar/dynamic/graph.py), with
 ``tolerance`` the most a piece's plan may be slower than each size's optimum:
 
-* One symbol (``_sweep``), from the lowest size up. A piece's plan is the
-  ILP's at its first size (a ``probe``: the static compile of that size, on
-  the step specialized to it). The plans found so far give, through their
-  expressions (``Pricer.curve``), the first size at which another is faster
-  than this one by more than the tolerance (or this one outgrows the memory
-  budget); the ILP at the size before it checks that the plan still holds
-  there. If it does, that size ends the piece, and the next piece starts
-  where the plan was shown not to hold, with the ILP's plan there; if it does
-  not, the ILP has found a faster plan, and the end is sought again.
+* One symbol (``_sweep``), from the lowest size up. The ILP solves the
+  piece's first size (a ``probe``: the static compile of that size, on the
+  step specialized to it); of the plans found so far, the one that holds
+  there and, by the expressions (``Pricer.curve``), holds furthest is the
+  piece's plan: the first size at which another is faster than it by more
+  than the tolerance (or it outgrows the memory budget) ends its reach. The
+  ILP at the size before that, and at the size halfway there, checks that
+  the plan still holds. If it does, that size ends the piece, and the next
+  piece starts where the plan was shown not to hold; if it does not, the
+  ILP has found a faster plan, and the end is sought again.
 * Several symbols (``_box``), on boxes of sizes: a plan that holds at every
   corner (the ILP solved there) and, by the expressions, inside the box is
   the box's piece; otherwise the box is split where the expressions say the
@@ -158,7 +159,9 @@ class Search:
                         reach[a] = n - 1 if fails is None else fails - 1
                 a = max(reach, key=lambda x: (reach[x], x == here.assignment))
                 end = reach[a]
-                if end == t or self.holds(a, lattice, at(end)):
+                # the ILP at the last size, and in the middle (a plan not found yet may be faster inside)
+                if end == t or all(self.holds(a, lattice, at(u)) for u in dict.fromkeys((end, (t + end) // 2))
+                                   if u != t):
                     break  # the ILP there found a faster plan otherwise: the reaches change
             box = tuple((t, end) if i == axis else (0, 0) for i in range(len(lattice.count)))
             inside = [p for p in self.probes.values() if (i := lattice.index(p.point)) is not None
