@@ -87,10 +87,10 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, dynamic_shape
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``).
 
     ``dynamic_shapes``: torch.export's, one entry per example input (its dims
-    that vary, as ``torch.export.Dim``; autopar/dynamic.py makes it). The
+    that vary, as ``torch.export.Dim``; autopar/dynamic/graph.py makes it). The
     graph's shapes are then the example's, ``graph.gm`` keeps the symbolic
     sizes (``aten.sym_size`` nodes, SymInt arguments) and the ops' size
-    arguments are SymInts: autopar/dynamic.py specializes it before planning."""
+    arguments are SymInts: autopar/dynamic/ specializes it before planning."""
     if not isinstance(model, nn.Module):
         raise AutoparError(f"model must be an nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
