@@ -24,6 +24,8 @@ PHASES = ("forward", "backward", "recompute", "optimizer")
 """When a collective runs: "recompute" is a forward collective run again in
 backward (a recomputed layer, or a ZeRO-3 parameter gathered again)."""
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
+"""How a parameter is held, by its ``zero_stage`` (autopar.planner.zero_stage), as show and explain say it."""
 
 
 @dataclass
@@ -200,7 +202,7 @@ class Plan:
         dynamic = obj.get("dynamic") if schema != "autopar.plan/1" else None
         if dynamic is not None:
             from autopar.dynamic.planfile import check
-            check(dynamic, mesh)
+            check(dynamic, mesh, cls.from_json)
         return cls(mesh, obj["cluster"], obj["mesh"].get("topology", []), obj["model"], obj["parameters"],
                    obj["inputs"], nodes, obj["collectives"], obj["predicted"], obj["solver"], obj["pipeline"],
                    obj.get("fallbacks", []), obj.get("warnings", []),
@@ -317,4 +319,4 @@ def _check_parameter_nodes(nodes: list, parameters: dict) -> None:
                      "for the node's placement): recompile the plan rather than editing placements by hand", node)
 
 
-__all__ = ["Plan", "NodePlan", "SCHEMA", "READS", "fmt_spec"]
+__all__ = ["Plan", "NodePlan", "SCHEMA", "READS", "ZERO_LABELS", "fmt_spec"]

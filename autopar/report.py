@@ -12,7 +12,7 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import Plan
+from autopar.plan import ZERO_LABELS, Plan  # noqa: F401  (ZERO_LABELS: re-exported)
 from autopar.units import fmt_bytes, fmt_s  # noqa: F401  (re-exported)
 
 GiB = 2**30
@@ -23,8 +23,6 @@ def layer_class(fqn: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
-ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
-"""How each parameter is held (autopar.compiler.zero_stage)."""
 
 
 def parameter_rows(plan: Plan, all_rows: bool = False) -> list[tuple]:

@@ -57,7 +57,7 @@ def run(name, spec, mesh, dynamic, batch, seq, samples, tolerance):
     plan = autopar.compile(model, example, mesh=mesh, cluster="dgx-a100", loss_fn=lm_loss, dynamic=dynamic,
                            tolerance=tolerance)
     dynamic_s = time.perf_counter() - t
-    dyn = Dynamic(plan.dynamic)
+    dyn = Dynamic(plan)
     sg = SymbolicGraph(model, example, lm_loss, dyn.symbols)
     cluster = get_cluster("dgx-a100")
     pricer = Pricer(sg, plan.mesh, cluster, optimizer="adamw", precision="fp32", budget=cluster.device.memory,

@@ -164,7 +164,7 @@ def over_batch():
     model, inputs, loss_fn = medium(8)
     plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss_fn,
                            dynamic={"batch": (1, 1024)}, tolerance=0)
-    sg = SymbolicGraph(model, inputs, loss_fn, Dynamic(plan.dynamic).symbols)
+    sg = SymbolicGraph(model, inputs, loss_fn, Dynamic(plan).symbols)
     cluster = get_cluster("dgx-a100")
     pricer = Pricer(sg, plan.mesh, cluster, optimizer="adamw", precision="fp32", budget=cluster.device.memory,
                     source=None)
@@ -177,14 +177,14 @@ def static(batch: int) -> autopar.Plan:
 
 
 def piece_price(plan, pricer, i: int, batch: int) -> float:
-    dyn = Dynamic(plan.dynamic)
+    dyn = Dynamic(plan)
     return pricer.cost(Assignment.of(dyn.plan(i)), dyn.lattices[i], (batch,))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64, 1024])
 def test_one_compile_gives_the_static_compiles_plans(over_batch, batch):
     plan, pricer = over_batch
-    dyn, gap = Dynamic(plan.dynamic), plan.solver["relative_gap"]
+    dyn, gap = Dynamic(plan), plan.solver["relative_gap"]
     i = dyn.piece({"batch": batch})
     mine = float(dyn.expression(i).subs(dyn.locals()["batch"], batch))  # the piece's own expression
     assert mine == pytest.approx(piece_price(plan, pricer, i, batch), rel=1e-9)
@@ -200,7 +200,7 @@ def test_boundaries_are_where_the_static_compiles_plans_change(over_batch):
     the optimum at its first two sizes; the sizes in between (the other
     lattice) get their own pieces' plans."""
     plan, pricer = over_batch
-    dyn, gap = Dynamic(plan.dynamic), plan.solver["relative_gap"]
+    dyn, gap = Dynamic(plan), plan.solver["relative_gap"]
     lattice = max(set(dyn.lattices), key=lambda lat: lat.size)
     pieces = sorted((i for i, lat in enumerate(dyn.lattices) if lat == lattice), key=lambda i: dyn.ranges(i)["batch"])
     assert len(pieces) >= 3, [dyn.pieces[i]["where"] for i in pieces]
@@ -245,7 +245,7 @@ def test_dynamic_plan_round_trips(small_plan, tmp_path):
     assert obj["schema"] == "autopar.plan/2" and len(obj["dynamic"]["pieces"]) >= 2
     again = autopar.Plan.load(str(path))
     assert again.dumps() == small_plan.dumps()
-    dyn = Dynamic(again.dynamic)
+    dyn = Dynamic(again)
     for i in range(len(dyn.pieces)):
         lo, hi, step = dyn.ranges(i)["batch"]
         assert all(dyn.piece({"batch": b}) == i for b in range(lo, hi + 1, step))
@@ -268,7 +268,7 @@ def test_an_edited_dynamic_section_is_refused(small_plan, edit, message):
 
 
 def test_a_size_outside_every_piece_is_refused_with_the_declared_sizes(small_plan):
-    dyn = Dynamic(small_plan.dynamic)
+    dyn = Dynamic(small_plan)
     for batch in (2, 6, 28):
         with pytest.raises(InputError, match=r"outside the sizes this plan was compiled for \(batch from 4 to 16 "
                                              r"in steps of 4\).*fallback='compile'"):

@@ -131,9 +131,7 @@ def _assemble(sg: SymbolicGraph, pricer: Pricer, search: Search, pieces: list, s
         box = piece.box
         expressions = {c: str(_restrict(search.curve(piece.assignment, piece.lattice, c), box).expression(symbols))
                        for c in COMPONENTS}
-        body = plan.to_json()
-        body.pop("schema")
-        body["dynamic"] = None
+        body = plan.to_json()  # a plan of one size: dynamic null
         below = next((q for q in pieces if q.lattice == piece.lattice and _follows(q.box, box)), None)
         first = piece.lattice.value(tuple(lo for lo, _ in box))
         entries.append({

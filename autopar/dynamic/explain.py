@@ -8,7 +8,8 @@ partial sums, and how it holds its weights (autopar show's "held as").
 ``boundary`` prices the lower piece's plan at the first size of the next
 piece with the planner's accounting, next to that piece's own plan, and
 lists their collectives by kind. ``describe`` prints the pieces and, at each
-boundary, the terms that changed the most (``autopar explain --over``).
+boundary, the terms that changed the most (``autopar explain --over``,
+autopar/explain.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from autopar.dynamic.planfile import Dynamic
 from autopar.passes.strategy import parse_spec
-from autopar.plan import Plan
+from autopar.plan import ZERO_LABELS, Plan
 from autopar.units import fmt_bytes, fmt_s
 
 TERMS = (("compute_s", "compute"), ("comm_s", "communication"), ("grad_sync_exposed_s", "exposed gradient sync"),
@@ -49,7 +50,6 @@ def summary(plan: Plan, sg) -> dict:
                 what = "whole"
             share[what] += n.compute_s / total
         axes[name] = dict(sorted(share.items(), key=lambda kv: -kv[1]))
-    from autopar.report import ZERO_LABELS
     held = Counter(ZERO_LABELS.get(p.get("zero_stage"), "-") for p in plan.parameters.values())
     return {"axes": axes, "weights": dict(held), "recompute": plan.recompute.get("mode", "none")}
 
@@ -133,7 +133,7 @@ def reason(b: dict) -> str:
 def describe(plan: Plan, over: dict | None = None, reasons: bool = True) -> str:
     """The pieces of a dynamic plan (those that meet ``over``: symbol -> (lo, hi)) and, with
     ``reasons``, why they change."""
-    dyn = Dynamic(plan.dynamic)
+    dyn = Dynamic(plan)
     stats = plan.dynamic.get("search", {})
     head = ", ".join(str(s) for s in dyn.symbols)
     lines = [f"pieces over {head}: {len(dyn.pieces)} (each within {stats.get('tolerance', 0):.1%} of every size's "
@@ -159,44 +159,6 @@ def describe(plan: Plan, over: dict | None = None, reasons: bool = True) -> str:
     return "\n".join(lines)
 
 
-def explain_over(plan: Plan, over: dict, *, source: str | None = None, dims: dict | None = None,
-                 tolerance: float | None = None) -> str:
-    """``autopar explain PLAN --over batch=1..4096``: the pieces over those sizes
-    and why they change. A dynamic plan that covers them answers from its own
-    pieces; otherwise the plan's model (``source``, or the one the plan names)
-    is compiled for them with the plan's mesh, cluster and options."""
-    import os
-
-    from autopar.compiler import compile as compile_plan
-    from autopar.errors import PlanError
-    from autopar.runtime import load_factory
-    from autopar.dynamic.symbols import SymbolRange
-
-    wanted = {n: SymbolRange(n, *((v[0], v[1], v[2]) if len(v) == 3 else (v[0], v[1], 1))) for n, v in over.items()}
-    if plan.dynamic is not None:
-        have = {s.name: s for s in Dynamic(plan.dynamic).symbols}
-        if set(wanted) <= set(have) and all(have[n].lo <= w.lo and w.hi <= have[n].hi for n, w in wanted.items()):
-            return describe(plan, over={n: (w.lo, w.hi) for n, w in wanted.items()})
-        dims = dims or {s.name: [list(d) for d in s.dims] for s in have.values() if s.name in wanted}
-        tolerance = tolerance if tolerance is not None else plan.dynamic.get("search", {}).get("tolerance")
-    source = source or plan.model.get("source")
-    if not source or not os.path.exists(source.rsplit(":", 1)[0]):
-        raise PlanError(f"to explain {', '.join(map(str, wanted.values()))} the plan's model is compiled for those "
-                        f"sizes, but the plan names {source!r}, which is not found from {os.getcwd()}: pass "
-                        "--source FILE.py:FACTORY")
-    model, inputs, loss_fn = load_factory(source)
-    sv, pred = plan.solver, plan.predicted
-    new = compile_plan(model, inputs, mesh=plan.mesh, cluster=plan.cluster, loss_fn=loss_fn,
-                       memory=sv.get("memory_budget_bytes"), optimizer=pred.get("optimizer", "adamw"),
-                       precision=pred.get("precision", "fp32"), relative_gap=sv.get("relative_gap", 1e-4),
-                       opt_level=sv.get("opt_level", 1), time_limit_s=sv.get("time_limit_s", 60.0), source=source,
-                       dynamic={n: (w.lo, w.hi, w.step) for n, w in wanted.items()}, dims=dims,
-                       **({"tolerance": tolerance} if tolerance is not None else {}))
-    covered = ", ".join(str(s) for s in Dynamic(plan.dynamic).symbols) if plan.dynamic else "one size"
-    return (f"the plan covers {covered}: {source} compiled for {', '.join(map(str, wanted.values()))} with the "
-            f"plan's mesh {plan.mesh}, cluster {plan.cluster.get('name')} and options\n" + describe(new))
-
-
 def _ends(dyn: Dynamic, i: int) -> str:
     """Predicted step at a piece's first and last sizes."""
     expr, r, env = dyn.expression(i), dyn.ranges(i), dyn.locals()
@@ -215,7 +177,7 @@ def _short(text: str, digits: int = 4) -> str:
 def curve_points(plan: Plan, per_piece: int = 64) -> list:
     """For the visualizer: per piece, (size, predicted step) points from its expression."""
     import sympy
-    dyn = Dynamic(plan.dynamic)
+    dyn = Dynamic(plan)
     if not dyn.pieces:
         return []
     axis = max(range(len(dyn.names)), key=lambda k: dyn.symbols[k].count)
@@ -236,4 +198,4 @@ def curve_points(plan: Plan, per_piece: int = 64) -> list:
     return [{"symbol": x, "others": {n: "piece's lowest" for n in dyn.names if n != x}, "pieces": out}]
 
 
-__all__ = ["summary", "words", "boundary", "reason", "describe", "explain_over", "curve_points"]
+__all__ = ["summary", "words", "boundary", "reason", "describe", "curve_points"]

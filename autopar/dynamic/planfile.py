@@ -28,9 +28,13 @@ from autopar.errors import InputError, PlanError
 
 
 class Dynamic:
-    """A plan's dynamic section, with the pieces' plans parsed when first asked for."""
+    """The dynamic section of ``plan`` (a Plan), with the pieces' plans parsed when first asked for."""
 
-    def __init__(self, obj: dict):
+    def __init__(self, plan):
+        obj = plan.dynamic
+        if obj is None:
+            raise PlanError("the plan was compiled for one size; it has no pieces (compile with dynamic=...)")
+        self._read = type(plan).from_json
         self.obj = obj
         self.symbols = tuple(SymbolRange.from_json(s) for s in obj["symbols"])
         self.names = tuple(s.name for s in self.symbols)
@@ -56,8 +60,7 @@ class Dynamic:
     def plan(self, i: int):
         """Piece ``i``'s plan."""
         if i not in self._plans:
-            from autopar.plan import SCHEMA, Plan
-            self._plans[i] = Plan.from_json({**self.pieces[i]["plan"], "schema": SCHEMA})
+            self._plans[i] = self._read(self.pieces[i]["plan"])
         return self._plans[i]
 
     def point(self, i: int) -> dict:
@@ -75,9 +78,10 @@ class Dynamic:
         return {n: (f + s * lo, f + s * hi, s) for n, f, s, (lo, hi) in zip(self.names, lat.first, lat.step, p["box"])}
 
 
-def check(obj, mesh) -> None:
+def check(obj, mesh, read) -> None:
     """The dynamic section is well formed: symbols, lattices and boxes that
-    fit them, a plan per piece on the same mesh, expressions sympy reads."""
+    fit them, a plan per piece on the same mesh (``read``: Plan.from_json),
+    expressions sympy reads."""
     _require(isinstance(obj, dict) and all(k in obj for k in ("symbols", "example", "pieces")),
              f"plan field 'dynamic' must be null or an object with symbols, example and pieces, got {obj!r:.80}")
     try:
@@ -108,9 +112,9 @@ def check(obj, mesh) -> None:
                  f"{where}.point must give a size for each symbol {names}")
         _require(isinstance(p["plan"], dict) and p["plan"].get("mesh", {}).get("shape") == list(mesh.shape),
                  f"{where}.plan must be a plan for the mesh {list(mesh.shape)}")
-        from autopar.plan import SCHEMA, Plan
+        _require(p["plan"].get("dynamic") is None, f"{where}.plan must be a plan of one size (dynamic null)")
         try:
-            Plan.from_json({**p["plan"], "schema": SCHEMA, "dynamic": None})
+            read(p["plan"])
         except PlanError as e:
             raise PlanError(f"{where}.plan: {e}") from None
         for k, text in p["expressions"].items():

@@ -74,7 +74,7 @@ class DynamicModule(nn.Module):
                                "of the plan does: raise, or compile a plan for it)")
         if plan.dynamic is None:
             raise AutoparError("DynamicModule runs a plan compiled with dynamic=...; this plan is for one size")
-        self.plan, self.dyn, self.fallback = plan, Dynamic(plan.dynamic), fallback
+        self.plan, self.dyn, self.fallback = plan, Dynamic(plan), fallback
         self.mesh, self.loss_fn = device_mesh, loss_fn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.compile_count = 1
@@ -218,7 +218,7 @@ class DynamicModule(nn.Module):
 
 def piece_sources(model: nn.Module, example_inputs, loss_fn, plan: Plan) -> dict:
     """Each piece's program as ``DynamicModule`` builds it: piece index -> source."""
-    dyn = Dynamic(plan.dynamic)
+    dyn = Dynamic(plan)
     sg = SymbolicGraph(model, tuple(example_inputs), loss_fn, dyn.symbols)
     out = {}
     for i in range(len(dyn.pieces)):
