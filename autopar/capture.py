@@ -49,7 +49,8 @@ def _meta(v) -> TensorMeta | None:
     if isinstance(v, torch.Tensor):
         if any(isinstance(s, torch.SymInt) and not s.node.has_hint() for s in v.shape):
             raise _DataDependentShape(tuple(str(s) for s in v.shape))
-        return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+        # a dynamic capture's sizes at their example values; int() would specialize them
+        return TensorMeta(tuple(s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape), v.dtype)
     return None
 
 
@@ -70,8 +71,14 @@ def _rnn_weight_cache_only(message: str) -> bool:
     return bool(m) and all(re.search(r"\._flat_weights\[\d+\]$", a.strip()) for a in m.group(1).split(","))
 
 
-def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
-    """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``)."""
+def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, dynamic_shapes=None) -> Graph:
+    """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` (or ``model(*inputs)``).
+
+    ``dynamic_shapes``: torch.export's, one entry per example input (its dims
+    that vary, as ``torch.export.Dim``; autopar/dynamic/graph.py makes it). The
+    graph's shapes are then the example's, ``graph.gm`` keeps the symbolic
+    sizes (``aten.sym_size`` nodes, SymInt arguments) and the ops' size
+    arguments are SymInts: autopar/dynamic/ specializes it before planning."""
     if not isinstance(model, nn.Module):
         raise AutoparError(f"model must be an nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
@@ -86,7 +93,8 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ep = torch.export.export(wrapper, example_inputs, strict=False)
+            ep = torch.export.export(wrapper, example_inputs, strict=False,
+                                     dynamic_shapes=None if dynamic_shapes is None else (tuple(dynamic_shapes),))
     except Exception as e:  # torch raises many types; keep the cause
         if _data_dependent(e):
             raise AutoparError(_branch_advice(e)) from e
@@ -241,6 +249,8 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             nodes[n.name] = Node(n.name, kind, fqn=fqn, outputs=[_meta(n.meta["val"])], input_index=idx)
         elif n.op == "call_function" and n.target in ASSERTIONS:
             continue  # checks of metadata export adds (e.g. for .to()); nothing to shard or run
+        elif n.op == "call_function" and is_size(n):
+            continue  # a symbolic size (dynamic capture): an argument of the ops that use it
         elif n.op == "call_function":
             try:
                 nodes[n.name] = _op_node(n, nodes)
@@ -266,6 +276,12 @@ def _to_graph(ep, n_inputs: int, has_loss: bool) -> Graph:
             raise AutoparError(f"unsupported fx node {n.op} {n.target}")
     from torch.utils._pytree import treespec_dumps
     return Graph(nodes, gm, params, buffers, n_inputs, has_loss, treespec_dumps(ep.call_spec.out_spec))
+
+
+def is_size(n: fx.Node) -> bool:
+    """A node computing a size, not a tensor: ``aten.sym_size`` of an input
+    and arithmetic on such sizes, in a graph captured with dynamic shapes."""
+    return isinstance(n.meta.get("val"), torch.SymInt)
 
 
 def _op_node(n: fx.Node, nodes: dict) -> Node:

@@ -22,6 +22,7 @@ def _compile(args) -> int:
     check_file(args.output, "compile -o", is_plan)  # before the solve, which may take minutes
     if args.cache:
         check_dir(args.cache, "--cache", force=True)
+    dynamic, dims = _dynamic(args)
     model, inputs, loss_fn = load_factory(args.source)
     memory = _parse_bytes(args.memory) if args.memory else None
     plan = compile_plan(model, inputs, mesh=args.mesh, cluster=args.cluster, loss_fn=loss_fn, memory=memory,
@@ -29,7 +30,8 @@ def _compile(args) -> int:
                         opt_level=args.opt_level, time_limit_s=args.time_limit, relative_gap=args.gap,
                         solver=args.solver, source=args.source, deterministic=args.deterministic,
                         pipeline_stages=_stages(args.pp), microbatches=args.microbatches, schedule=args.schedule,
-                        cache=args.cache, offload=not args.no_offload)
+                        cache=args.cache, offload=not args.no_offload,
+                        **({"dynamic": dynamic, "dims": dims, "tolerance": args.tolerance} if dynamic else {}))
     plan.save(args.output)
     if args.coverage:
         if plan.fallbacks:
@@ -48,6 +50,16 @@ def _compile(args) -> int:
             for c in plan.recompute.get("candidates", [])))
     print(f"plan written to {args.output}")
     return 0
+
+
+def _dynamic(args) -> tuple:
+    """``--dynamic batch=4..32`` (repeatable) and ``--dims seq=0.1,1.1`` as compile's dynamic and dims."""
+    from autopar.dynamic.symbols import parse_dims, parse_range
+    dynamic = dict(parse_range(t) for t in args.dynamic or [])
+    dims = dict(parse_dims(t) for t in args.dims or []) or None
+    if dims and not dynamic:
+        raise AutoparError("--dims names the input dims of --dynamic symbols: give --dynamic NAME=LOW..HIGH too")
+    return dynamic or None, dims
 
 
 def _stages(text):
@@ -80,12 +92,15 @@ def _codegen(args) -> int:
         raise AutoparError(f"{args.plan} does not name its model (compile it with `autopar compile FILE.py:FACTORY`)")
     check_dir(args.output, "codegen -o", force=args.force)
     model, inputs, loss_fn = load_factory(source)
-    stages = None
+    stages = pieces = None
     if plan.pipeline:
         from autopar.pipeline_runtime import stage_sources
         stages = stage_sources(model, plan, loss_fn)
-    entry = write_program(plan, capture(model, inputs, loss_fn), args.output, stages)
-    programs = "stage_<chunk>.py" if plan.pipeline else "rank_program.py"
+    if plan.dynamic:
+        from autopar.dynamic.runtime import piece_sources
+        pieces = piece_sources(model, inputs, loss_fn, plan)
+    entry = write_program(plan, capture(model, inputs, loss_fn), args.output, stages, pieces)
+    programs = "stage_<chunk>.py" if plan.pipeline else "piece_<i>.py" if plan.dynamic else "rank_program.py"
     print(f"wrote {entry}, {os.path.join(args.output, programs)} and plan.json")
     print(f"run it with: torchrun --nproc-per-node {plan.mesh.size} {entry} --check")
     return 0
@@ -151,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-offload", action="store_true",
                    help="keep every parameter's optimizer state in device memory (by default the planner may keep "
                         "some in host memory, updated there, where device memory binds and the cluster has a host)")
+    c.add_argument("--dynamic", action="append", metavar="NAME=LOW..HIGH[:STEP]",
+                   help="plan one compile for a range of sizes (repeatable), e.g. batch=4..32 or seq=128..4096:128; "
+                        "batch names dim 0 and seq dim 1 of every input, other names need --dims")
+    c.add_argument("--dims", action="append", metavar="NAME=INPUT.DIM,...",
+                   help="which input dims a --dynamic symbol names, e.g. seq=0.1,1.1 (dim 1 of inputs 0 and 1)")
+    c.add_argument("--tolerance", type=float, default=0.01,
+                   help="with --dynamic: how much slower than each size's optimum a piece's plan may be "
+                        "(default 0.01: 1%%; 0 keeps a piece for every change of the optimal plan)")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     c.add_argument("--gap", type=float, default=1e-4, help="relative MIP gap at which the solver stops")
     c.add_argument("--deterministic", action="store_true",

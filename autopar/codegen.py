@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
+from autopar.capture import is_size
 from autopar.errors import AutoparError, PlanError
 from autopar.ir import Graph, NodeKind
 from autopar.outputs import record_written, write_text
@@ -132,6 +133,9 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
     consumers = graph.consumers()
     done = set()
     for src in graph.gm.graph.nodes:
+        if src.op == "call_function" and is_size(src):
+            emit.size(main, env, src)
+            continue
         if src.name in done or (src.op == "call_function" and src.name not in graph.nodes):
             continue  # already emitted in a recomputed layer, or an export assertion
         if src.name not in region_of:
@@ -140,11 +144,17 @@ def _emit(graph: Graph, plan: Plan, local_inputs: bool, grads: "_Gradients") -> 
         i = region_of[src.name]
         names = regions[i]
         inside = set(names)
-        externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside))
+        sizes = list(dict.fromkeys(a.name for n in names for a in emit.fx_nodes[n].all_input_nodes if is_size(a)))
+        externals = list(dict.fromkeys(p for n in names for p in graph.nodes[n].inputs if p not in inside)) + sizes
         outputs = [n for n in names if any(c not in inside for c, _ in consumers[n])]
         sub, sub_env = fx.Graph(), {}
         for e in externals:
             sub_env[e] = sub.placeholder(e)
+        for k, (ph, d) in enumerate(emit.symbols.values()):  # a dynamic graph's sizes, for its local shapes
+            key = ("size", str(list(emit.symbols)[k]))
+            externals.append(key)
+            emit._expr(main, env, list(emit.symbols)[k])
+            sub_env[key] = sub.placeholder(f"{ph}_size{d}")
         for n in names:
             emit.node(sub, sub_env, emit.fx_nodes[n])
         sub.output(tuple(sub_env[o] for o in outputs))
@@ -296,6 +306,82 @@ class _Emitter:
         self.ndim = plan.mesh.ndim
         self.regather = {fqn for fqn, p in plan.parameters.items() if p.get("regather")}
         self.gathered: set = set()  # keys of values that may hold a regathered parameter's storage
+        self.symbols = {d.node.expr: (n.name, k) for n in reversed(graph.gm.graph.nodes) if n.op == "placeholder"
+                        and isinstance(n.meta.get("val"), torch.Tensor)
+                        for k, d in enumerate(n.meta["val"].shape) if isinstance(d, torch.SymInt)}
+        """A graph captured with dynamic shapes (autopar/dynamic): each size symbol's input and dim."""
+
+    def size(self, g: fx.Graph, env: dict, src: fx.Node) -> None:
+        """A size of a dynamic graph (``aten.sym_size`` of an input, arithmetic
+        on sizes): computed in the program from the input it reads, whole (the
+        program takes the global batch), so every size an op is given is the
+        global one, as in a program of one size."""
+        if src.target is torch.ops.aten.sym_size.int:
+            x = src.args[0]
+            if x.op != "placeholder" or self.graph.nodes[x.name].kind is not NodeKind.INPUT or self.local_inputs:
+                raise PlanError(f"size {src.name} reads {x.name}: a dynamic program reads its sizes from its "
+                                "global inputs only (not with local_inputs=True)")
+            env[src.name] = g.call_function(torch.ops.aten.sym_size.int, (env[("raw", x.name)], *src.args[1:]))
+        else:
+            env[src.name] = g.node_copy(src, lambda a: env[a.name])
+        env[src.name].name = src.name
+
+    def _sizes(self, g: fx.Graph, env: dict, value) -> list:
+        """A (global) shape whose entries are ints or, in a dynamic graph, SymInts:
+        ints, and for each SymInt the program's expression for it."""
+        return [self._expr(g, env, d.node.expr) if isinstance(d, torch.SymInt) else int(d) for d in value]
+
+    def _expr(self, g: fx.Graph, env: dict, e):
+        import sympy
+        if e.is_Integer:
+            return int(e)
+        key = ("size", str(e))
+        if key in env:
+            return env[key]
+        if e in self.symbols:  # read off the (global) input it is a dim of
+            ph, d = self.symbols[e]
+            env[key] = self._named(g.call_function(torch.ops.aten.sym_size.int, (env[("raw", ph)], d)),
+                                   f"{ph}_size{d}")
+            return env[key]
+        args = [self._expr(g, env, a) for a in e.args]
+        if isinstance(e, sympy.Add):
+            fn = operator.add
+        elif isinstance(e, sympy.Mul):
+            fn = operator.mul
+        elif isinstance(e, sympy.Pow) and e.exp.is_Integer and e.exp > 0:
+            args, fn = [args[0]] * int(e.exp), operator.mul
+        elif type(e).__name__ == "FloorDiv":
+            fn = operator.floordiv
+        else:
+            raise PlanError(f"cannot write the size {e} into the program ({type(e).__name__}); autopar plans sizes "
+                            "that are sums, products and floor divisions of the symbols")
+        out = args[0]
+        for a in args[1:]:
+            out = self._named(g.call_function(fn, (out, a)), f"size_{fn.__name__}_{len(env)}")
+        env[key] = out
+        return out
+
+    @staticmethod
+    def _named(node: fx.Node, name: str) -> fx.Node:
+        """A node the program adds, named apart from the captured graph's own names."""
+        node.name = name
+        return node
+
+    def _local(self, g: fx.Graph, env: dict, src: fx.Node, spec: str) -> list:
+        """The planned local shape of ``src``'s output: its global shape divided over the mesh."""
+        node, mesh = self.graph.nodes[src.name], self.plan.mesh
+        placements = parse_spec(spec, mesh.ndim)
+        local = list(local_shape(node.out.shape, placements, mesh.shape))  # checks that it divides
+        if not self.symbols:
+            return local
+        sizes = self._sizes(g, env, src.meta["val"].shape)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and not isinstance(sizes[p.dim], int):
+                sizes[p.dim] = self._named(g.call_function(operator.floordiv, (sizes[p.dim], mesh.shape[axis])),
+                                           f"{src.name}_local{p.dim}_{axis}")
+            elif isinstance(p, Shard):
+                sizes[p.dim] //= mesh.shape[axis]
+        return sizes
 
     def _made(self, g: fx.Graph, env: dict, name: str, spec: str, param: bool = False) -> None:
         """Value ``name`` (in ``env``) is made here: the sum of its partial gradients, if any."""
@@ -319,7 +405,11 @@ class _Emitter:
             elif node.kind is NodeKind.INPUT:
                 entry = self.inputs[src.name]
                 local = self.local_inputs or entry.get("local", False)
-                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, entry["shape"], local))
+                env[("raw", src.name)] = ph
+                shape = entry["shape"]
+                if self.symbols and not local:  # its sizes, read from it
+                    shape = self._sizes(g, env, src.meta["val"].shape)
+                env[src.name] = g.call_function(spmd.shard_input, (ph, spec, shape, local))
                 env[src.name].name = f"{src.name}_s"
                 self._made(g, env, src.name, spec)
             else:
@@ -366,6 +456,8 @@ class _Emitter:
         keys = []
 
         def arg(a):
+            if is_size(a):
+                return env[a.name]
             i = next(counter)
             want = plan_node.input_specs[i]
             key = self._key(a.name, want)
@@ -381,8 +473,7 @@ class _Emitter:
         elif src.target in RANDOM_FACTORIES:
             new = g.call_function(spmd.random_factory, (src.name, src.target, *args), kwargs)
         elif src.target in RESHAPES:
-            mesh = self.plan.mesh
-            shape = list(local_shape(node.out.shape, parse_spec(plan_node.output_spec, mesh.ndim), mesh.shape))
+            shape = self._local(g, env, src, plan_node.output_spec)
             new = g.call_function(spmd.reshape, (src.name, src.target, args[0], shape))
         elif node.state_update:
             new = g.call_function(spmd.state_update, (src.name, src.target, strategy, *args), kwargs)
@@ -617,38 +708,49 @@ if __name__ == "__main__":
 '''
 
 
-PIPELINE_ENTRY = ENTRY.replace(
-    "from rank_program import RankProgram  # noqa: E402\n", "").replace(
-    "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
-    "    # the stage programs (stage_<chunk>.py here) are rebuilt from the model, exactly as written\n"
-    "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
-    "                                     plan=plan)\n").replace(
-    "The model comes from", "Pipelined: each stage's program is in stage_<chunk>.py. The model comes from")
+def _rebuilding_entry(files: str, note: str) -> str:
+    """train.py for a plan whose programs autoparallelize rebuilds from the model (``files``: what it writes)."""
+    return ENTRY.replace("from rank_program import RankProgram  # noqa: E402\n", "").replace(
+        "    pmodel = ParallelModule(model, plan, program=RankProgram(), loss_fn=loss_fn)\n",
+        f"    # {files} here: rebuilt from the model, exactly as written\n"
+        "    pmodel = autopar.autoparallelize(model, inputs, loss_fn=loss_fn, mesh=plan.mesh, cluster=plan.cluster,\n"
+        "                                     plan=plan)\n").replace("The model comes from", f"{note} The model comes from")
 
 
-def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None) -> str:
+PIPELINE_ENTRY = _rebuilding_entry("the stage programs (stage_<chunk>.py)",
+                                   "Pipelined: each stage's program is in stage_<chunk>.py.")
+DYNAMIC_ENTRY = _rebuilding_entry("each piece's program (piece_<i>.py; the example batch runs its sizes' piece)",
+                                  "Dynamic: one program per piece of sizes, piece_<i>.py.")
+
+
+def write_program(plan: Plan, graph: Graph, out_dir: str, stages: dict | None = None,
+                  pieces: dict | None = None) -> str:
     """Write rank_program.py (or, for a pipelined plan, ``stages``: chunk ->
-    its stage program, autopar.pipeline_runtime.stage_sources), plan.json and
-    train.py into ``out_dir``; return train.py's path."""
+    its stage program, autopar.pipeline_runtime.stage_sources; for a dynamic
+    plan, ``pieces``: piece index -> its program, autopar.dynamic.runtime.
+    piece_sources), plan.json and train.py into ``out_dir``; return train.py's path."""
     source = plan.model.get("source")
     if not source:
         raise PlanError("the plan does not name its model source (FILE.py:FACTORY); compile it with the CLI "
                         "or pass source= to autopar.compile so that codegen can rebuild the model")
     os.makedirs(out_dir, exist_ok=True)
     path, factory = source.rsplit(":", 1)
-    template = ENTRY
+    template, programs = ENTRY, None
     if plan.pipeline:
-        if stages is None:
-            raise PlanError("a pipelined plan's program is its stages: pass stages= "
-                            "(autopar.pipeline_runtime.stage_sources)")
-        for chunk, text in stages.items():
-            write_text(os.path.join(out_dir, f"stage_{chunk}.py"), text)
-        template = PIPELINE_ENTRY
+        template, programs, name, helper = PIPELINE_ENTRY, stages, "stage_{}.py", "pipeline_runtime.stage_sources"
+    elif plan.dynamic:
+        template, programs, name, helper = DYNAMIC_ENTRY, pieces, "piece_{}.py", "dynamic.runtime.piece_sources"
     else:
         write_text(os.path.join(out_dir, "rank_program.py"), program_source(build_program(graph, plan), plan))
+    if template is not ENTRY:
+        if programs is None:
+            raise PlanError(f"a {'pipelined' if plan.pipeline else 'dynamic'} plan's program is one file per "
+                            f"{'stage' if plan.pipeline else 'piece'}: pass them (autopar.{helper})")
+        for key, text in programs.items():
+            write_text(os.path.join(out_dir, name.format(key)), text)
     plan.save(os.path.join(out_dir, "plan.json"))
     entry = os.path.join(out_dir, "train.py")
     write_text(entry, template.format(world=plan.mesh.size, entry=entry, source=os.path.abspath(path) + ":" + factory))
-    programs = [f"stage_{chunk}.py" for chunk in stages] if plan.pipeline else ["rank_program.py"]
-    record_written(out_dir, [*programs, "plan.json", "train.py"])
+    written = [name.format(key) for key in programs] if programs is not None else ["rank_program.py"]
+    record_written(out_dir, [*written, "plan.json", "train.py"])
     return entry

@@ -20,7 +20,8 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
             source: str | None = None, parameter_placements: dict | None = None,
             cluster_layers: bool | None = None, deterministic: bool = False,
             pipeline_stages: int | str | None = None, microbatches: int | None = None,
-            schedule: str | None = None, cache: str | None = None, offload: bool = True) -> Plan:
+            schedule: str | None = None, cache: str | None = None, offload: bool = True,
+            dynamic: dict | None = None, dims: dict | None = None, tolerance: float = 0.01) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without launching anything.
 
     ``example_inputs`` may be real, fake or meta tensors; with ``loss_fn`` the
@@ -48,6 +49,15 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     proven optimal by then is the best found, and the plan
     (``solver.stopped_early``) and a warning say so.
 
+    ``dynamic``: plan one compile for a range of sizes, ``{"batch": (4, 32),
+    "seq": (128, 4096)}`` (or ``(lo, hi, step)``, or a ``range``); ``dims``
+    says which input dims each names (by default ``batch`` is dim 0 and
+    ``seq`` dim 1 of every input). The plan is piecewise (``plan.dynamic``,
+    autopar/dynamic/): each piece's plan is within ``tolerance`` of every
+    size's optimum in it, and the returned plan is the piece of the example
+    sizes. Each ILP it solves has ``time_limit_s``; dynamic plans are
+    planned without a pipeline and keep optimizer state on the device.
+
     Pipeline parallelism (autopar/pipeline/): a mesh with a ``pp`` axis, or
     ``pipeline_stages=N``, pipelines with that many stages; ``pipeline_stages=
     "auto"`` lets the planner factor the devices into pp x dp x tp and pipeline
@@ -57,6 +67,16 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
     "interleaved-1f1b") pin those choices. ``plan.solver["pipelining"]`` says
     why the plan does or does not pipeline."""
     get_cluster(cluster).check_fits(parse_mesh(mesh))
+    if dynamic is not None:
+        return _compile_dynamic(model, example_inputs, dynamic, dims, tolerance, mesh=mesh, cluster=cluster,
+                                loss_fn=loss_fn, memory=memory, optimizer=optimizer, precision=precision,
+                                recompute=recompute, opt_level=opt_level, time_limit_s=time_limit_s,
+                                relative_gap=relative_gap, solver=solver, source=source,
+                                parameter_placements=parameter_placements, cluster_layers=cluster_layers,
+                                deterministic=deterministic, pipeline_stages=pipeline_stages,
+                                microbatches=microbatches, schedule=schedule, cache=cache)
+    if dims is not None:
+        raise AutoparError("dims names the input dims of dynamic symbols: pass dynamic={...} too")
     if cache is not None:
         from autopar.outputs import check_dir
         check_dir(cache, "cache", force=True)  # before the solve, not when storing its result
@@ -85,6 +105,20 @@ def compile(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, me
         if None not in best.values():
             why += f" (best pipelined step {best['pipelined']:.4g} s, without a pipeline {best['flat']:.4g} s)"
     plan.solver["pipelining"] = why
+    return plan
+
+
+def _compile_dynamic(model, example_inputs, dynamic, dims, tolerance, *, pipeline_stages, microbatches, schedule,
+                     mesh, cluster, **options) -> Plan:
+    from autopar.dynamic import plan_dynamic
+    asked = {"pipeline_stages": pipeline_stages not in (None, 1), "microbatches": microbatches not in (None, 1),
+             "schedule": schedule is not None, "a pp mesh axis": "pp" in parse_mesh(mesh).names}
+    if any(asked.values()):
+        raise AutoparError(f"dynamic shapes are planned without a pipeline, but {', '.join(k for k, v in asked.items() if v)} "
+                           "asks for one: leave it out (or compile a pipelined plan for one size)")
+    plan = plan_dynamic(model, example_inputs, dynamic=dynamic, dims=dims, tolerance=tolerance, mesh=mesh,
+                        cluster=cluster, **options)
+    plan.solver["pipelining"] = "dynamic shapes: planned without a pipeline"
     return plan
 
 

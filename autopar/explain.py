@@ -385,17 +385,69 @@ def explain(plan: Plan, target: str, *, graph=None, source: str | None = None, l
     return format_explanation(explain_node(plan, target, graph=graph, source=source), limit=limit)
 
 
+def explain_over(plan: Plan, over: dict, *, source: str | None = None, dims: dict | None = None,
+                 tolerance: float | None = None) -> str:
+    """``autopar explain PLAN --over batch=1..4096``: the pieces over those sizes
+    and why they change. A dynamic plan that covers them answers from its own
+    pieces; otherwise the plan's model (``source``, or the one the plan names)
+    is compiled for them with the plan's mesh, cluster and options."""
+    from autopar.compiler import compile as compile_plan
+    from autopar.dynamic.explain import describe
+    from autopar.dynamic.planfile import Dynamic
+    from autopar.dynamic.symbols import SymbolRange
+    from autopar.runtime import load_factory
+
+    wanted = {n: SymbolRange(n, *((v[0], v[1], v[2]) if len(v) == 3 else (v[0], v[1], 1))) for n, v in over.items()}
+    if plan.dynamic is not None:
+        have = {s.name: s for s in Dynamic(plan).symbols}
+        if set(wanted) <= set(have) and all(have[n].lo <= w.lo and w.hi <= have[n].hi for n, w in wanted.items()):
+            return describe(plan, over={n: (w.lo, w.hi) for n, w in wanted.items()})
+        dims = dims or {s.name: [list(d) for d in s.dims] for s in have.values() if s.name in wanted}
+        tolerance = tolerance if tolerance is not None else plan.dynamic.get("search", {}).get("tolerance")
+    source = source or plan.model.get("source")
+    if not source or not os.path.exists(source.rsplit(":", 1)[0]):
+        raise PlanError(f"to explain {', '.join(map(str, wanted.values()))} the plan's model is compiled for those "
+                        f"sizes, but the plan names {source!r}, which is not found from {os.getcwd()}: pass "
+                        "--source FILE.py:FACTORY")
+    model, inputs, loss_fn = load_factory(source)
+    sv, pred = plan.solver, plan.predicted
+    new = compile_plan(model, inputs, mesh=plan.mesh, cluster=plan.cluster, loss_fn=loss_fn,
+                       memory=sv.get("memory_budget_bytes"), optimizer=pred.get("optimizer", "adamw"),
+                       precision=pred.get("precision", "fp32"), relative_gap=sv.get("relative_gap", 1e-4),
+                       opt_level=sv.get("opt_level", 1), time_limit_s=sv.get("time_limit_s", 60.0), source=source,
+                       dynamic={n: (w.lo, w.hi, w.step) for n, w in wanted.items()}, dims=dims,
+                       **({"tolerance": tolerance} if tolerance is not None else {}))
+    covered = ", ".join(str(s) for s in Dynamic(plan).symbols) if plan.dynamic else "one size"
+    return (f"the plan covers {covered}: {source} compiled for {', '.join(map(str, wanted.values()))} with the "
+            f"plan's mesh {plan.mesh}, cluster {plan.cluster.get('name')} and options\n" + describe(new))
+
+
 def explain_main(argv=None) -> int:
     """``autopar explain plan.json NODE_OR_PARAM [--source FILE.py:FACTORY] [--limit N]``."""
     ap = argparse.ArgumentParser(prog="autopar explain",
                                  description="Why a node or parameter got its strategy: every candidate priced "
                                              "with its neighbours as planned")
     ap.add_argument("plan")
-    ap.add_argument("target", help="node name (autopar show --all), parameter fqn, or module path with one op")
+    ap.add_argument("target", nargs="?", help="node name (autopar show --all), parameter fqn, or module path with "
+                                               "one op")
     ap.add_argument("--source", help="FILE.py:FACTORY of the model, if not the one the plan names")
     ap.add_argument("--limit", type=int, default=12, help="candidates to list (default 12)")
+    ap.add_argument("--over", action="append", metavar="NAME=LOW..HIGH[:STEP]",
+                    help="the plan's pieces over a range of sizes and why they change (repeatable; compiles the "
+                         "model for the range where the plan does not cover it)")
+    ap.add_argument("--dims", action="append", metavar="NAME=INPUT.DIM,...", help="with --over: the input dims a "
+                                                                                    "symbol names (as compile's)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.over:
+            from autopar.dynamic.symbols import parse_dims, parse_range
+            over = dict(parse_range(t) for t in args.over)
+            dims = dict(parse_dims(t) for t in args.dims or []) or None
+            print(explain_over(Plan.load(args.plan), over, source=args.source, dims=dims))
+            return 0
+        if args.target is None:
+            raise AutoparError("say what to explain: a node or parameter (autopar explain PLAN NODE), or the "
+                               "pieces over a range of sizes (autopar explain PLAN --over batch=1..4096)")
         print(explain(Plan.load(args.plan), args.target, source=args.source, limit=args.limit))
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
@@ -403,4 +455,5 @@ def explain_main(argv=None) -> int:
     return 0
 
 
-__all__ = ["explain", "explain_node", "format_explanation", "explain_main", "Explanation", "Candidate"]
+__all__ = ["explain", "explain_node", "explain_over", "format_explanation", "explain_main", "Explanation",
+           "Candidate"]

@@ -15,11 +15,17 @@ from autopar.errors import PlanError, ShardingError
 from autopar.mesh import Mesh
 from autopar.passes.strategy import Strategy, fmt_spec, local_shape, parse_placement, parse_spec
 
-SCHEMA = "autopar.plan/1"
+SCHEMA = "autopar.plan/2"
+READS = ("autopar.plan/1", SCHEMA)
+"""The schemas ``Plan.load`` reads: version 2 added ``dynamic`` (the pieces
+of a plan compiled for a range of sizes, autopar/dynamic/planfile.py; null
+for a plan of one size), which version 1 plans load without."""
 PHASES = ("forward", "backward", "recompute", "optimizer")
 """When a collective runs: "recompute" is a forward collective run again in
 backward (a recomputed layer, or a ZeRO-3 parameter gathered again)."""
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
+"""How a parameter is held, by its ``zero_stage`` (autopar.planner.zero_stage), as show and explain say it."""
 
 
 @dataclass
@@ -77,6 +83,10 @@ class Plan:
     warnings: list = field(default_factory=list)
     recompute: dict = field(default_factory=lambda: {"mode": "none", "layers": []})
     """Activation recomputation: {"mode": "none"|"full", "layers": ["blocks.0", ...]}."""
+    dynamic: dict | None = None
+    """A plan compiled for a range of sizes: its symbols and pieces, each a plan
+    of its own (autopar/dynamic/planfile.py); this plan is the piece of the
+    example sizes. None for a plan of one size."""
 
     # --- derived views -------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -113,6 +123,7 @@ class Plan:
             "fallbacks": self.fallbacks,
             "warnings": self.warnings,
             "recompute": self.recompute,
+            "dynamic": self.dynamic,
         }
 
     def dumps(self) -> str:
@@ -127,8 +138,9 @@ class Plan:
     def from_json(cls, obj) -> "Plan":
         _require(isinstance(obj, dict), "the plan must be a JSON object", obj)
         schema = obj.get("schema")
-        if schema != SCHEMA:
-            raise PlanError(f"plan schema is {schema!r}; this autopar reads {SCHEMA!r} (recompile the plan)")
+        if schema not in READS:
+            raise PlanError(f"plan schema is {schema!r}; this autopar reads {' and '.join(map(repr, READS))} "
+                            "(recompile the plan)")
         for key in ("mesh", "cluster", "model", "parameters", "inputs", "nodes", "collectives",
                     "pipeline", "predicted", "solver"):
             _require(key in obj, f"plan lacks the required field {key!r}", None)
@@ -187,10 +199,14 @@ class Plan:
                  f"plan field 'pipeline' must be null or an object, got {obj['pipeline']!r:.80}", None)
         for key in ("cluster", "model"):
             _require(isinstance(obj[key], dict), f"plan field {key!r} must be an object, got {obj[key]!r:.80}", None)
+        dynamic = obj.get("dynamic") if schema != "autopar.plan/1" else None
+        if dynamic is not None:
+            from autopar.dynamic.planfile import check
+            check(dynamic, mesh, cls.from_json)
         return cls(mesh, obj["cluster"], obj["mesh"].get("topology", []), obj["model"], obj["parameters"],
                    obj["inputs"], nodes, obj["collectives"], obj["predicted"], obj["solver"], obj["pipeline"],
                    obj.get("fallbacks", []), obj.get("warnings", []),
-                   obj.get("recompute", {"mode": "none", "layers": []}))
+                   obj.get("recompute", {"mode": "none", "layers": []}), dynamic)
 
     @classmethod
     def load(cls, path: str) -> "Plan":
@@ -303,4 +319,4 @@ def _check_parameter_nodes(nodes: list, parameters: dict) -> None:
                      "for the node's placement): recompile the plan rather than editing placements by hand", node)
 
 
-__all__ = ["Plan", "NodePlan", "SCHEMA", "fmt_spec"]
+__all__ = ["Plan", "NodePlan", "SCHEMA", "READS", "ZERO_LABELS", "fmt_spec"]

@@ -46,16 +46,19 @@ def plan_flat(model: nn.Module, example_inputs, *, mesh, cluster, loss_fn=None, 
               time_limit_s: float = 60.0, relative_gap: float = 1e-4, solver: str = "HIGHS",
               source: str | None = None, parameter_placements: dict | None = None,
               cluster_layers: bool | None = None, deterministic: bool = False, cache: str | None = None,
-              offload: bool = True) -> Plan:
+              offload: bool = True, graph: Graph | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` on ``cluster`` without a pipeline
     (``autopar.compile`` says what each argument means). The time limit
-    bounds the whole of it, capture included."""
+    bounds the whole of it, capture included. ``graph``: the step captured
+    already (autopar/dynamic specializes one per size it plans), planned
+    instead of capturing ``model``."""
     phases = _Phases()
     deadline = phases.start + time_limit_s  # the whole compile's, capture included
     with phases("capture"):
         mesh, cluster = parse_mesh(mesh), get_cluster(cluster)
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        graph = capture(model, example_inputs, loss_fn)
+        if graph is None:
+            example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+            graph = capture(model, example_inputs, loss_fn)
     if cache is not None:
         from autopar import plancache
         key = plancache.cache_key(graph.fingerprint(), mesh, cluster, dict(

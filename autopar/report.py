@@ -12,7 +12,7 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import Plan
+from autopar.plan import ZERO_LABELS, Plan  # noqa: F401  (ZERO_LABELS: re-exported)
 from autopar.units import fmt_bytes, fmt_s  # noqa: F401  (re-exported)
 
 GiB = 2**30
@@ -23,8 +23,6 @@ def layer_class(fqn: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
-ZERO_LABELS = {0: "replicated (DP)", 2: "ZeRO-2", 3: "ZeRO-3", None: "TP"}
-"""How each parameter is held (autopar.compiler.zero_stage)."""
 
 
 def parameter_rows(plan: Plan, all_rows: bool = False) -> list[tuple]:
@@ -149,5 +147,11 @@ def show(plan: Plan, all_nodes: bool = False, console: Console | None = None) ->
                       f"({layers[0]} .. {layers[-1]}), e.g. {', '.join(kinds)}")
         else:
             con.print(f"recomputed in backward: {len(layers)} layers ({layers[0]} .. {layers[-1]})")
+    if plan.dynamic:
+        from autopar.dynamic.explain import describe
+        example = ", ".join(f"{k} {v}" for k, v in plan.dynamic["example"].items())
+        con.print(f"dynamic: the tables above are the plan at the example sizes ({example}); its pieces "
+                  "(`autopar explain PLAN --over NAME=LOW..HIGH` says why they change):")
+        con.print(describe(plan, reasons=False), markup=False, highlight=False)
     for w in plan.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")

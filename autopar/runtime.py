@@ -138,6 +138,17 @@ def shard_of(full: torch.Tensor, placements, mesh) -> torch.Tensor:
     return local.clone(memory_format=torch.contiguous_format) if local is not full else local.contiguous()
 
 
+def adopt(owner: nn.Module, model: nn.Module) -> None:
+    """Register ``model``'s children and own tensors on ``owner``, so that
+    ``owner``'s parameter and state-dict names are the model's own."""
+    for name, child in model.named_children():
+        owner.add_module(name, child)
+    for name, p in model.named_parameters(recurse=False):
+        owner.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        owner.register_buffer(name, b)
+
+
 def _split(fqn: str):
     parent, _, leaf = fqn.rpartition(".")
     return parent, leaf
@@ -197,13 +208,7 @@ class ParallelModule(nn.Module):
             parent, leaf = _split(fqn)
             owner = model.get_submodule(parent) if parent else model
             owner._buffers[leaf] = buf.to(device)
-        # Register the model's own children and tensors here so names stay the originals.
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+        adopt(self, model)
         self._model = [model]  # not a submodule: avoid a "model." prefix
         self._order = plan.model.get("placeholders") or []
         self._out_spec = treespec_loads(plan.model["out_spec"])
@@ -270,8 +275,13 @@ class ParallelModule(nn.Module):
         key, kind = ("local_shape", "this rank's shard, local_inputs=True") if self._local_inputs else \
             ("shape", "the whole global batch")
         return rankcheck.batch_problem(
-            inputs, [info[key] for info in self.plan.inputs], f"{len(self.plan.inputs)} input(s) ({what})",
-            f"({kind}). autopar plans static shapes: compile for this shape (the decorator form does so itself)")
+            inputs, self._input_shapes(key), f"{len(self.plan.inputs)} input(s) ({what})",
+            f"({kind}). autopar plans static shapes: compile for this shape (the decorator form does so itself), "
+            "or for a range of them (dynamic=...)")
+
+    def _input_shapes(self, key: str) -> list:
+        """The shapes the plan takes (``shape``: global, ``local_shape``: this rank's)."""
+        return [info[key] for info in self.plan.inputs]
 
     # --- checkpoints speak full tensors ---------------------------------
     def state_dict(self, *args, **kwargs):

@@ -13,8 +13,10 @@ outlined in both graphs.
 
 Stable hooks for tests and scripts: ``#tooltip``; per plan panel
 ``#plan-<i>`` holding ``#graph``, ``#param-table``, ``#mesh-view``,
-``#memory-chart``, ``#comm-chart``, ``#schedule`` and ``#breakdown`` (ids of
-the second panel end in ``-1``); graph elements ``.node[data-name]`` and
+``#memory-chart``, ``#comm-chart``, ``#schedule``, ``#breakdown`` and, for a
+plan compiled for a range of sizes, ``#sizes-chart`` (predicted step time
+against the symbol, one line per piece, its boundaries marked;
+``.size-piece[data-piece]``) (ids of the second panel end in ``-1``); graph elements ``.node[data-name]`` and
 ``.module-group[data-path]`` (``.expanded`` / ``.collapsed``) with a
 ``.toggle``; schedule cells ``.sched-op[data-stage][data-type][data-mb]``.
 """
@@ -34,12 +36,23 @@ from autopar.plan import Plan
 
 
 def page_data(plans: list[Plan], labels: list[str]) -> dict:
-    """What the page's script reads: the plans as JSON, their labels, and the diff of two."""
-    data = {"plans": [dict(p.to_json(), label=label) for p, label in zip(plans, labels)], "diff": None}
+    """What the page's script reads: the plans as JSON, their labels, and the diff of two. A dynamic
+    plan's pieces come as their predicted step over the sizes (``sizes``), without their whole plans."""
+    data = {"plans": [dict(_embedded(p), label=label) for p, label in zip(plans, labels)], "diff": None}
     if len(plans) == 2:
         from autopar.plandiff import diff_plans
         data["diff"] = diff_plans(plans[0], plans[1])
     return data
+
+
+def _embedded(plan: Plan) -> dict:
+    obj = plan.to_json()
+    if plan.dynamic:
+        from autopar.dynamic.explain import curve_points
+        obj["sizes"] = curve_points(plan)
+        obj["dynamic"] = {**plan.dynamic, "pieces": [{k: v for k, v in p.items() if k != "plan"}
+                                                      for p in plan.dynamic["pieces"]]}
+    return obj
 
 
 def _finite(obj):

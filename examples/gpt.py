@@ -106,6 +106,18 @@ def small(batch: int = 8):
     return model, (idx, target), lm_loss
 
 
+def medium(batch: int = 8):
+    """FACTORY: a 2-layer GPT of hidden size 256 (vocabulary 512, context 64),
+    whose best plan on two A100s changes with the batch size (docs/concepts.md,
+    "Dynamic shapes": ``--dynamic batch=1..1024``)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    return model, (idx, target), lm_loss
+
+
 def explicit(batch: int = 8):
     """FACTORY: ``small`` with explicit attention (the s x s scores kept for
     backward), where selective recomputation frees memory."""

@@ -73,7 +73,8 @@ def test_plan_round_trips_and_has_the_contract(plan, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(str(path))
     obj = json.loads(path.read_text())
-    assert obj["schema"] == "autopar.plan/1"
+    assert obj["schema"] == "autopar.plan/2"
+    assert obj["dynamic"] is None  # a plan of one size
     for key in ("mesh", "parameters", "collectives", "pipeline", "predicted", "solver"):
         assert key in obj
     for key in ("step_time_s", "compute_s", "comm_s", "bubble_s", "peak_memory_bytes", "mfu"):
@@ -94,8 +95,17 @@ def test_corrupt_plan(tmp_path):
 def test_wrong_version_plan(plan, tmp_path):
     obj = copy.deepcopy(plan.to_json())  # the fixture is shared: do not edit it
     obj["schema"] = "autopar.plan/0"
-    with pytest.raises(PlanError, match="this autopar reads 'autopar.plan/1'"):
+    with pytest.raises(PlanError, match="this autopar reads 'autopar.plan/1' and 'autopar.plan/2'"):
         autopar.Plan.from_json(obj)
+
+
+def test_version_1_plan_still_loads(plan):
+    """Plans written before schema 2 (no "dynamic" section) load as plans of one size."""
+    obj = copy.deepcopy(plan.to_json())
+    obj["schema"] = "autopar.plan/1"
+    del obj["dynamic"]
+    old = autopar.Plan.from_json(obj)
+    assert old.dynamic is None and old.nodes == plan.nodes and old.predicted == plan.predicted
 
 
 def test_plan_missing_field(plan):

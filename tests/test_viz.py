@@ -435,6 +435,29 @@ def test_offloaded_plan_page_says_what_lives_on_the_host(browser, tmp_path):
     assert sorted(marked) == sorted(offloaded)
 
 
+@needs_chromium
+def test_dynamic_plan_page_draws_step_time_against_the_symbol(browser, tmp_path):
+    """A plan compiled for batch 4..24 (step 4) under a memory budget that binds
+    (tests/test_dynamic.py's): one line per piece over its sizes, each
+    hoverable with its plan and, from the second on, why it starts there;
+    the page embeds the pieces' curves, not their whole plans."""
+    source = f"{ROOT}/examples/gpt.py:small"
+    model, inputs, loss_fn = load_factory(source)
+    plan = autopar.compile(model, inputs, mesh=4, cluster="cpu", loss_fn=loss_fn, source=source, memory=8e6,
+                           dynamic={"batch": (4, 24, 4)})
+    pieces = plan.dynamic["pieces"]
+    assert len(pieces) >= 2
+    page = open_page(browser, tmp_path, [plan], "dynamic.html")
+    assert page.count("#sizes-chart .size-piece") == len(pieces)
+    xs = page.eval("[...document.querySelectorAll('#sizes-chart .size-piece')].map(g => g.dataset.piece)")
+    assert sorted(map(int, xs)) == list(range(len(pieces)))
+    page.hover("#sizes-chart .size-piece[data-piece='1'] polyline")
+    shown, text = tooltip(page)
+    assert shown and pieces[1]["where"] in text and "the plan below would take" in text
+    embedded = page.eval("JSON.parse(document.getElementById('autopar-data').textContent).plans[0].dynamic.pieces")
+    assert all("plan" not in p for p in embedded)
+
+
 # --------------------------------------------------------------------------- page without a browser
 
 def test_viz_cli_writes_one_self_contained_file(gpt_plan, tmp_path, capsys):
@@ -444,7 +467,7 @@ def test_viz_cli_writes_one_self_contained_file(gpt_plan, tmp_path, capsys):
     assert viz_main([str(a), "-o", str(out)]) == 0
     page = out.read_text()
     assert "<script src" not in page and "<link" not in page and "@import" not in page
-    assert '"schema":"autopar.plan/1"' in page
+    assert '"schema":"autopar.plan/2"' in page
     assert viz_main([str(tmp_path / "missing.json"), "-o", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -493,6 +493,44 @@ function drawBreakdown(parent, plan) {
      `${(sol.wall_s || 0).toFixed(2)} s`);
 }
 
+// ---------------------------------------------------------------- sizes (a dynamic plan)
+function drawSizes(parent, view) {
+  // predicted step time against the symbol: one polyline per piece, a dashed line where a piece starts
+  const W = 760, H = 300, L = 64, R = 12, T = 12, B = 40;
+  const pieces = view.pieces;
+  const xs = [].concat(...pieces.map((p) => p.x)), ys = [].concat(...pieces.map((p) => p.step_s));
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y1 = Math.max(...ys) * 1.05;
+  const sx = (x) => L + (W - L - R) * (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0));
+  const sy = (y) => T + (H - T - B) * (1 - y / y1);
+  const svg = sv("svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "sizes"}, parent);
+  sv("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#8c959f"}, svg);
+  sv("line", {x1: L, y1: T, x2: L, y2: H - B, stroke: "#8c959f"}, svg);
+  for (let k = 0; k <= 4; k++) {
+    const y = y1 * k / 4;
+    sv("text", {x: L - 6, y: sy(y) + 4, "text-anchor": "end", class: "axis-label"}, svg, fmtS(y));
+    const x = x0 + (x1 - x0) * k / 4;
+    sv("text", {x: sx(x), y: H - B + 16, "text-anchor": "middle", class: "axis-label"}, svg, String(Math.round(x)));
+  }
+  sv("text", {x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle", class: "axis-label"}, svg, view.symbol);
+  const lattices = [...new Set(pieces.map((p) => p.lattice))];
+  pieces.forEach((p, i) => {
+    const color = STAGE_COLORS[i % STAGE_COLORS.length];
+    const dash = ["", "6 3", "2 3", "8 3 2 3"][lattices.indexOf(p.lattice) % 4];
+    const g = sv("g", {class: "size-piece", "data-piece": p.piece}, svg);
+    sv("line", {x1: sx(p.x[0]), y1: T, x2: sx(p.x[0]), y2: H - B, stroke: color, "stroke-dasharray": "3 3",
+                "stroke-opacity": 0.5}, g);
+    sv("polyline", {points: p.x.map((x, k) => `${sx(x)},${sy(p.step_s[k])}`).join(" "), fill: "none",
+                    stroke: color, "stroke-width": 2, "stroke-dasharray": dash}, g);
+    for (let k = 0; k < p.x.length; k++) sv("circle", {cx: sx(p.x[k]), cy: sy(p.step_s[k]), r: 2, fill: color}, g);
+    hoverable(g, () => [`piece ${p.piece}: ${p.where}`, [
+      ["step", `${fmtS(p.step_s[0])} .. ${fmtS(p.step_s[p.step_s.length - 1])}`], ["plan", p.summary, true],
+      ...(p.why ? [["why", p.why, true]] : [])]]);
+  });
+  const legend = el("div", {class: "muted"}, parent);
+  legend.textContent = `${pieces.length} pieces; line style by the sizes that divide alike (${lattices.join("; ")})` +
+    "; a dashed vertical line where a piece starts; hover a piece for its plan and why it starts there";
+}
+
 // ---------------------------------------------------------------- parameters
 function drawParams(parent, plan) {
   const ctl = el("div", {class: "controls"}, parent);
@@ -904,6 +942,12 @@ function buildPanel(root, plan, idx, diffNames) {
   const b = card(panel, "predicted step time and MFU");
   const bd = el("div", {id: "breakdown" + sfx, class: "breakdown"}, b);
   drawBreakdown(bd, plan);
+
+  for (const view of plan.sizes || []) {
+    const c = card(panel, `predicted step time against ${view.symbol}`, "one line per piece of the plan, each " +
+                   "piece's plan priced over its sizes");
+    drawSizes(el("div", {id: "sizes-chart" + sfx, class: "sizes-chart"}, c), view);
+  }
 
   const g = card(panel, "model graph", "grouped by module; click a group's title to expand or collapse; hover for details");
   const controls = el("div", {class: "controls"}, g);
