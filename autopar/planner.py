@@ -23,8 +23,8 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, backward_working_set, edge_memory, edge_moves, gradient_transient, memory_breakdown,
-    needs_grad, node_compute, op_moves,
+    CostContext, SharedReshards, backward_working_set, bucket_bytes, bucketed, edge_memory, edge_moves,
+    gradient_transient, memory_breakdown, needs_grad, node_compute, op_moves,
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
 from autopar.errors import AutoparError, InfeasibleError
@@ -186,7 +186,7 @@ def prepare(graph: Graph, mesh, cluster, *, memory: float | None = None, optimiz
         notes = [] if stage else _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
     if stage:
         cluster = replace(cluster, overlap_grad_sync=False)
-    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage)
+    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage, buckets=not stage)
     budget = None if stage else memory if memory is not None else cluster.device.memory
     with phases("cluster"):
         if opt_level not in (1, 2):
@@ -551,6 +551,8 @@ def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation =
             (src_spec, meta), regather = produced(graph, src, node, chosen[src]), chosen[src].regather
             backward = node.name in grad and src in grad
             fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
+            bucket = bucket_bytes(graph, src, regather, ctx)
+            fwd, bwd = bucketed(fwd, "forward", bucket, ctx), bucketed(bwd, "backward", bucket, ctx)
             replayed = fwd
             working += gradient_transient(bwd, src_spec, s, idx, meta, ctx)
             kept = node.name in grad and saves_input(node)

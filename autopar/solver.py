@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from ortools.linear_solver import pywraplp
 
 from autopar.cost_models.graph_costs import (
-    CostContext, backward_working_set, edge_memory, edge_moves, gradient_transient, host_bytes, memory_breakdown,
-    needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
+    CostContext, backward_working_set, bucket_bytes, bucketed, edge_memory, edge_moves, gradient_transient,
+    host_bytes, memory_breakdown, needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
@@ -428,17 +428,19 @@ class _ILP:
                                                     for j in self._live(dst)]
         return out
 
-    def _pair(self, sid: int, kid: int, consumer, idx: int, meta, backward: bool) -> tuple:
+    def _pair(self, sid: int, kid: int, consumer, idx: int, meta, backward: bool, bucket=None) -> tuple:
         """(forward s, backward s, backward us per link, gradient transient bytes,
         reads in place, whether it moves anything) of resharding spec ``sid``
-        to a consumer's key ``kid``: what the edge costs depends on the
-        specs, the key and the tensor alone, so edges of repeated layers (and
-        other edges alike) share one pricing."""
-        cache_key = (sid, kid, meta.shape, meta.dtype, backward)  # tuples compare faster than TensorMeta
+        to a consumer's key ``kid``: what
+        the edge costs depends on the specs, the key, the tensor and, for a
+        parameter, its bucket alone (graph_costs.bucketed), so edges of
+        repeated layers (and other edges alike) share one pricing."""
+        cache_key = (sid, kid, meta.shape, meta.dtype, backward, bucket)  # tuples compare faster than TensorMeta
         hit = self._pairs.get(cache_key)
         if hit is None:
             spec, key = self._values[sid], self._values[kid]
             f, b = edge_moves(spec, consumer, idx, meta, self.ctx, backward)
+            f, b = bucketed(f, "forward", bucket, self.ctx), bucketed(b, "backward", bucket, self.ctx)
             hit = self._pairs[cache_key] = (seconds(f), seconds(b), _on_links(b, self.ctx),
                                             gradient_transient(b, spec, consumer, idx, meta, self.ctx),
                                             reads_in_place(spec, key[0]), bool(f or b))
@@ -477,11 +479,13 @@ class _ILP:
         follows = self._follower(src, dst, idx) if len(out_groups) > 1 and len(in_groups) > 1 else None
         for p in out_groups:
             spec, regather = p
+            bucket = bucket_bytes(graph, src, regather, ctx)
             for key, members in in_groups.items():
                 if follows and not follows(p, key):
                     self.followed += 1
                     continue
-                f, b, on_links, grad_bytes, as_read, _ = self._pair(spec, key, members[0][1], idx, meta, backward)
+                f, b, on_links, grad_bytes, as_read, _ = self._pair(spec, key, members[0][1], idx, meta, backward,
+                                                                    bucket)
                 again = replayed + (plain if replays(regather, False, dst in self.grad) else 0)
                 unit[p, key] = (f + (0.0 if hides else b)) * US
                 replay[p, key] = f * again * US

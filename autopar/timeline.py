@@ -100,8 +100,9 @@ class SyncWindow:
     soon as its consumer's backward has made it, one collective after another
     on each link, while backward computes the ops before that consumer (as
     PyTorch DDP and FSDP overlap their buckets; Li et al., VLDB 2020, sec.
-    3.2.3; here every parameter is its own bucket, as the emitted programs
-    reduce them). The syncs made at or after op k cannot start before backward
+    3.2.3). Each parameter's part of its bucket is placed where its gradient
+    is made, at its bytes and its share of the bucket's call
+    (graph_costs.bucketed). The syncs made at or after op k cannot start before backward
     reaches k, and only the compute of the ops before k is left to hide them,
     so on each link the exposed time is at least
 

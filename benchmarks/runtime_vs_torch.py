@@ -3,9 +3,9 @@
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] \
         [--cases dp,zero2,zero3,tp,tp_zero2]
 
-One launch, 4 gloo ranks. For each case autopar compiles a plan on the
-``cpu`` cluster with the parameters pinned to the family's placements (the
-benchmark checks that the plan is that family), and the hand-written
+One launch, 4 gloo ranks. For each case autopar compiles the family's hand plan on
+the ``cpu`` cluster (autopar/pinned.py: parameters and inputs placed as the
+family places them; the benchmark checks that the plan is that family), and the hand-written
 equivalent is built from the same initial weights:
 
 * ``dp``: every parameter replicated, the batch split, against
@@ -35,7 +35,6 @@ milliseconds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import statistics
@@ -53,12 +52,9 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 import gpt as gpt_example  # noqa: E402
 import mlp as mlp_example  # noqa: E402
 
-from autopar import planner  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.codegen import build_program, load_program, program_source  # noqa: E402
-from autopar.compiler import compile as compile_plan  # noqa: E402
-from autopar.ir import NodeKind  # noqa: E402
-from autopar.passes.strategy import fmt_spec  # noqa: E402
+from autopar.pinned import compile_pinned  # noqa: E402
 from autopar.runtime import ParallelModule, agreed_plan, init_distributed, shutdown  # noqa: E402
 
 WORLD = 4
@@ -167,59 +163,39 @@ def megatron(model, mesh, inputs, loss_fn):
     return model, lambda: loss_fn(model(idx), target)
 
 
+BATCH_SPLIT = {0: ["S(0)"], 1: ["S(0)"]}
+"""The inputs (x and the target) split by batch over the mesh's one axis."""
+
 CASES = {
-    # name: (model factory, pins, hand-written builder, its name, family check on the plan, batch split pinned,
+    # name: (model factory, pins, hand-written builder, its name, family check on the plan, input placements,
     #        mesh)
     "dp": (mlp_case, lambda m: all_params(m, "R"), ddp, "DistributedDataParallel",
-           lambda plan: all(p["placements"] == ["R"] for p in plan.parameters.values()), True, "4"),
+           lambda plan: all(p["placements"] == ["R"] for p in plan.parameters.values()), BATCH_SPLIT, "4"),
     "zero2": (mlp_case, lambda m: all_params(m, "S(0)"), fsdp2(reshard=False),
               "FSDP2 fully_shard(reshard_after_forward=False)",
-              lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values()), True, "4"),
+              lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values()), BATCH_SPLIT, "4"),
     "zero3": (mlp_case, zero3_pins, fsdp2(reshard=True), "FSDP2 fully_shard(reshard_after_forward=True)",
-              lambda plan: all(p.get("zero_stage") == 3 for p in plan.parameters.values()), True, "4"),
+              lambda plan: all(p.get("zero_stage") == 3 for p in plan.parameters.values()), BATCH_SPLIT, "4"),
     "tp": (gpt_case, megatron_pins, megatron, "parallelize_module Colwise/Rowwise",
            lambda plan: any(p["placements"] == ["S(1)"] for p in plan.parameters.values())
            and all(p.get("zero_stage") is None for p in plan.parameters.values() if p["placements"] != ["R"]),
-           False, "4"),
+           {0: ["R"], 1: ["R"]}, "4"),
     "tp_zero2": (gpt_case, megatron_zero2_pins, megatron_fsdp2, "parallelize_module (y) + FSDP2 no reshard (x)",
                  lambda plan: all(p.get("zero_stage") == 2 for p in plan.parameters.values())
-                 and any(p["placements"] == ["S(0)", "S(1)"] for p in plan.parameters.values()), True, "2x2"),
+                 and any(p["placements"] == ["S(0)", "S(1)"] for p in plan.parameters.values()),
+                 {0: ["S(0)", "R"], 1: ["S(0)", "R"]}, "2x2"),
 }
 
 
-@contextlib.contextmanager
-def batch_split(on: bool):
-    """The compiler pins parameters only; with ``on``, the inputs' and ops'
-    strategies are narrowed to those with the batch split over the first
-    mesh axis (output S(0) there), where they have one, while the planner solves. Without it, on the ``cpu``
-    cluster (a collective costs ~6 ms there) the planner replicates the MLP's
-    whole step on every rank rather than split the batch, and uses S(0)
-    weights as tensor-parallel shards rather than gather them (ZeRO)."""
-    if not on:
-        yield
-        return
-    original = planner.enumerate_strategies
-
-    def narrowed(graph, mesh_shape, warn=True):
-        strategies, fallbacks = original(graph, mesh_shape, warn)
-        for node in graph.nodes.values():
-            if node.kind is not NodeKind.PARAM:
-                split = [s for s in strategies[node.name] if fmt_spec(s.output[:1]) == "S(0)"]
-                strategies[node.name] = split or strategies[node.name]
-        return strategies, fallbacks
-
-    planner.enumerate_strategies = narrowed
-    try:
-        yield
-    finally:
-        planner.enumerate_strategies = original
-
-
-def autopar_step(model, inputs, loss_fn, device_mesh, pins, split_batch: bool, mesh: str, cluster: str):
+def autopar_step(model, inputs, loss_fn, device_mesh, pins, input_pins, mesh: str, cluster: str):
+    """The hand plan priced and emitted by autopar (autopar/pinned.py): the
+    parameters and inputs placed as pinned, the ops that read a weight
+    computing where it is stored over the axes the batch is not split on
+    (tensor parallelism) and gathering it over the others (ZeRO), the rest
+    as the ILP finds cheapest."""
     def solve():
-        with batch_split(split_batch):
-            return compile_plan(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
-                                parameter_placements=pins)
+        return compile_pinned(model, inputs, mesh=mesh, cluster=cluster, loss_fn=loss_fn,
+                              parameter_placements=pins, input_placements=input_pins)
 
     plan = agreed_plan(solve)
     graph = capture(model, inputs, loss_fn)
@@ -245,12 +221,11 @@ def one_device(model, inputs, loss_fn):
 
 
 def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str) -> dict:
-    make, pins, hand, hand_name, is_family, split_batch, mesh = CASES[name]
+    make, pins, hand, hand_name, is_family, input_pins, mesh = CASES[name]
     device_mesh = meshes[mesh]
     model, inputs, loss_fn = make()
     twin, alone = copy.deepcopy(model), copy.deepcopy(model)
-    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), split_batch, mesh,
-                                         cluster)
+    plan, pmodel, ours = autopar_step(model, inputs, loss_fn, device_mesh, pins(model), input_pins, mesh, cluster)
     if not is_family(plan):
         raise SystemExit(f"{name}: the pinned plan is not the family it benchmarks: "
                          f"{ {k: (v['placements'], v.get('zero_stage')) for k, v in plan.parameters.items()} }")

@@ -138,6 +138,12 @@ def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
     return axis.call_overhead + _links_time(kind, nbytes, axis, algorithm)
 
 
+BUCKET_BYTES = 25 * 2**20
+"""The bucket cap of the emitted program's gathers and gradient reductions:
+DistributedDataParallel's default ``bucket_cap_mb``, 25 MiB (spmd.DDP_BUCKET_BYTES;
+graph_costs.bucketed prices them)."""
+
+
 def launch_time(kind: Collective, axis: AxisLinks) -> float:
     """Seconds of a collective that moves (almost) nothing, one byte: its
     call overhead and link latencies, what every call pays whatever it carries."""

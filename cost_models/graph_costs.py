@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import Partial, Shard
 
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import Collective, axis_links, collective_time, launch_time
+from autopar.cost_models.collectives import BUCKET_BYTES, Collective, axis_links, collective_time, launch_time
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.kernels import FLASH_CAUSAL_WORK, Kernel, flash_attention, matmul_op, stream
 from autopar.cost_models.optimizer import (  # noqa: F401  (OPTIMIZER_PASSES, OPTIMIZER_STATES: re-exported)
@@ -97,6 +97,10 @@ class CostContext:
     offload: bool = True
     """Whether the planner may keep optimizer state on the host (where the
     cluster describes a host: ``can_offload``)."""
+    buckets: bool = True
+    """Whether parameters' gathers and gradient reductions run in buckets
+    (``bucketed``): the flat program's do; a pipeline stage's gradient
+    reductions run once per step, one per parameter (spmd.GradAccumulation)."""
 
     @property
     def can_offload(self) -> bool:
@@ -104,12 +108,12 @@ class CostContext:
 
     @classmethod
     def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32",
-             offload: bool = True) -> "CostContext":
+             offload: bool = True, buckets: bool = True) -> "CostContext":
         check_optimizer(optimizer)
         if precision not in PRECISIONS:
             raise AutoparError(f"precision {precision!r} is not one of {PRECISIONS}")
         return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision,
-                   bool(offload))
+                   bool(offload), bool(buckets))
 
     def tensor_bytes(self, meta) -> float:
         """Bytes of a tensor in the compute dtype (floating tensors follow the precision)."""
@@ -571,6 +575,50 @@ def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostC
         bwd = transitions(input_grad_spec(consumer, index, len(ctx.mesh_shape)), producer_grad_spec(src_spec),
                           nbytes, ctx.mesh_shape, ctx.links)
     return fwd, bwd
+
+
+def bucket_bytes(graph: Graph, src: str, regather: bool, ctx: CostContext) -> float | None:
+    """The bytes of the bucket a parameter's collectives share, None where
+    they are not bucketed (not a parameter, or ``ctx.buckets`` off): the
+    model's parameters up to ``BUCKET_BYTES`` (the program fills its buckets
+    with them in order), a regathered (ZeRO-3) parameter's only its own
+    module's (codegen keeps such buckets within a module, as FSDP2 shards per
+    module)."""
+    node = graph.nodes[src]
+    if not ctx.buckets or node.kind is not NodeKind.PARAM:
+        return None
+    model, modules = _param_bytes(graph, ctx)
+    return min(float(BUCKET_BYTES), modules[src] if regather else model) or float(BUCKET_BYTES)
+
+
+def _param_bytes(graph: Graph, ctx: CostContext) -> tuple:
+    """(bytes of all the parameters, {parameter node: bytes of its module's parameters}), kept on the graph."""
+    cached = graph.__dict__.get("_param_bytes")
+    if cached is None or cached[0] != ctx.precision:
+        total: dict = {}
+        owner = {ph: fqn.rpartition(".")[0] for fqn, ph in graph.params.items()}
+        for ph, module in owner.items():
+            total[module] = total.get(module, 0.0) + ctx.tensor_bytes(graph.nodes[ph].out)
+        cached = (ctx.precision, sum(total.values()), {ph: total[m] for ph, m in owner.items()})
+        graph.__dict__["_param_bytes"] = cached
+    return cached[1], cached[2]
+
+
+def bucketed(moves: list, phase: str, bucket: float | None, ctx: CostContext) -> list:
+    """A parameter's moves as the program runs them: its gathers in forward
+    and its gradient reductions in backward are each one part of a bucket of
+    ``bucket`` bytes (``bucket_bytes``), one call per bucket. Each pays its
+    bytes and the share of a call's fixed cost (``launch_time``: call
+    overhead and link latencies) that its bytes are of the bucket, so the
+    parameters of one bucket pay one call between them: linear in the
+    choices, as the ILP needs, and exact where every parameter's collective
+    of a phase is in it (fewer pay less than their bucket's call). Other
+    moves are unchanged."""
+    if bucket is None:
+        return moves
+    kinds = (Collective.ALL_GATHER,) if phase == "forward" else (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+    return [replace(m, seconds=m.seconds - launch_time(m.kind, ctx.links[m.axis]) * (1.0 - min(1.0, m.nbytes / bucket)))
+            if m.kind in kinds else m for m in moves]
 
 
 def input_grad_spec(consumer: Strategy, index: int, n_axes: int) -> tuple:

@@ -39,7 +39,9 @@ from dataclasses import asdict, dataclass
 
 from autopar.cost_models import optimizer as opt
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import Algorithm, AxisLinks, Collective, axis_links, collective_time
+from autopar.cost_models.collectives import (
+    BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time,
+)
 from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
 from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched
 from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Kernels, Recompute, TrainingPlan,
@@ -604,14 +606,28 @@ def _grad_sync(kind: Collective, nbytes: float, fabric: Fabric) -> float:
     return full * fabric.time(kind, GRAD_BUCKET_BYTES, "dp") + (fabric.time(kind, rest, "dp") if rest else 0.0)
 
 
-def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fabric: Fabric) -> float:
-    """Seconds to gather or reduce ``tensors`` (parameters each) over dp: one
-    collective per tensor in eager PyTorch, as a compiled plan lists and
-    prices them (one per tensor, before bucketing); in GRAD_BUCKET_BYTES
-    buckets where the kernels are Megatron-LM's."""
-    if plan.kernels is Kernels.EAGER:
+def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fabric: Fabric,
+                 model_bytes: float = 0.0) -> float:
+    """Seconds to gather or reduce ``tensors`` (parameters each) over dp: in
+    eager PyTorch as a compiled plan prices them (graph_costs.bucketed), each
+    tensor its bytes and its share of a call in a bucket of the stage's
+    parameters (``model_bytes``) up to graph_costs.BUCKET_BYTES (a ZeRO-3
+    kernel's tensors: of their module's bytes, one call between them), and
+    one call per tensor in a pipeline, whose stages reduce each gradient on
+    its own; in GRAD_BUCKET_BYTES buckets where the kernels are Megatron-LM's."""
+    if plan.kernels is not Kernels.EAGER:
+        return _grad_sync(kind, sum(tensors) * e, fabric)
+    if not _bucketed(plan):
         return sum(fabric.time(kind, k * e, "dp") for k in tensors)
-    return _grad_sync(kind, sum(tensors) * e, fabric)
+    bucket = min(BUCKET_BYTES, sum(tensors) * e if plan.zero == 3 else model_bytes) or BUCKET_BYTES
+    launch = fabric.time(kind, 1.0, "dp")
+    return sum(fabric.time(kind, k * e, "dp") - launch * (1.0 - min(1.0, k * e / bucket)) for k in tensors)
+
+
+def _bucketed(plan: TrainingPlan) -> bool:
+    """Whether the program buckets the parameters' collectives: a flat one
+    (one stage, one microbatch) with eager kernels."""
+    return plan.kernels is Kernels.EAGER and plan.pp == 1 and plan.microbatches == 1
 
 
 def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> tuple[list, list]:
@@ -685,7 +701,7 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     kind = Collective.ALL_REDUCE if plan.zero == 0 else Collective.REDUCE_SCATTER
     if plan.overlap_grad_reduce:
         pieces, bwd = _param_chain(model, plan, fabric.cluster)
-        syncs = [_collectives(kind, k, e, plan, fabric) for k in pieces]
+        syncs = [_collectives(kind, k, e, plan, fabric, params * e) for k in pieces]
         busy, stalled = _dp_link_traffic(plan, fabric, stage)
         busy_at = [b > 0 for b in bwd]  # other links' collectives stall the compute, not the sync, all along
         bwd = [b + stalled / max(1, sum(busy_at)) * at for b, at in zip(bwd, busy_at)]
@@ -698,8 +714,8 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
         layer = [False] * len(embedding_kernels(model, plan)) + [True] * (len(pieces) - len(embedding_kernels(
             model, plan)) - (len(head_kernels(model, plan)) if plan.pp == 1 else 0))
         layer += [False] * (len(pieces) - len(layer))
-        return exposed + sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) * (again if inside else 1)
-                             for k, inside in zip(pieces, layer))
+        return exposed + sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric, params * e)
+                             * (again if inside else 1) for k, inside in zip(pieces, layer))
     if plan.zero in (1, 2):
         gather = _grad_sync(Collective.ALL_GATHER, params * e, fabric)
         first = min(gather, fabric.time(Collective.ALL_GATHER, min(GRAD_BUCKET_BYTES, params * e), "dp"))

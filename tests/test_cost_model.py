@@ -648,3 +648,102 @@ def test_exposed_sync_is_the_running_sum_and_shared_traffic_adds_to_it():
     assert exposed_sync([4.0, 4.0, 4.0], [1.0, 1.0, 1.0], busy=3.0) == pytest.approx(12.0 - 2.0 + 3.0)
     with pytest.raises(ValueError):
         exposed_sync([1.0], [])
+
+
+
+# --- buckets: a parameter's gathers and gradient reductions as the program runs them ----------------------
+
+def _mlp_plan(placement: list, cluster: str = "cpu"):
+    """The runtime benchmark's MLP (benchmarks/runtime_vs_torch.py: 256 wide, 4 layers, batch 2048) as a hand
+    plan on 4 ranks, every parameter pinned to ``placement`` (["R"]: data parallel; ["S(0)"]: ZeRO-2;
+    ["S(0)", "regather"]: ZeRO-3), the batch split."""
+    import importlib.util
+
+    from autopar.pinned import compile_pinned
+    spec = importlib.util.spec_from_file_location("mlp_example", "examples/mlp.py")
+    mlp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mlp)
+    model, inputs, loss = mlp.make(batch=2048, hidden=256, d_in=256, d_out=256, layers=4)
+    plan = compile_pinned(model, inputs, mesh="4", cluster=cluster, loss_fn=loss,
+                          parameter_placements={fqn: placement for fqn, _ in model.named_parameters()},
+                          input_placements={0: ["S(0)"], 1: ["S(0)"]})
+    return model, plan
+
+
+def _parameter_moves(plan, phase: str, kind: str) -> list:
+    return [c for c in plan.collectives if c["phase"] == phase and c["kind"] == kind
+            and c["tensor"] in plan.parameters]
+
+
+def test_bucket_cap_is_the_programs():
+    from autopar import spmd
+    from autopar.cost_models.collectives import BUCKET_BYTES
+    assert BUCKET_BYTES == spmd.DDP_BUCKET_BYTES
+
+
+@pytest.mark.parametrize("placement, moves", [
+    (["R"], [("backward", "all_reduce")]),
+    (["S(0)"], [("forward", "all_gather"), ("backward", "reduce_scatter")]),
+])
+def test_bucketed_collectives_share_one_call(placement, moves):
+    """Each of a parameter's bucketed collectives costs its bytes and its bytes' share of one call
+    (graph_costs.bucketed) in a bucket of the model's parameters: DDP's one all-reduce of the MLP's
+    1 MiB of gradients (FSDP2's one gather and one reduce-scatter), not one call per tensor."""
+    from autopar.cost_models.collectives import launch_time
+    model, plan = _mlp_plan(placement)
+    links = axis_links(get_cluster("cpu"), (4,))[0]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for phase, kind in moves:
+        listed = _parameter_moves(plan, phase, kind)
+        assert len(listed) == 8  # four weights and four biases
+        launch = launch_time(Collective(kind), links)
+        for c in listed:
+            whole = collective_time(Collective(kind), c["bytes"], links)
+            assert c["seconds"] == pytest.approx(whole - launch * (1 - c["bytes"] / model_bytes), rel=1e-12)
+        bytes_only = sum(collective_time(Collective(kind), c["bytes"], links) - launch for c in listed)
+        assert sum(c["seconds"] for c in listed) == pytest.approx(bytes_only + launch, rel=1e-9)  # one call
+    # the ILP priced the calls as the plan does (its objective leaves out the step's fixed overhead)
+    step_overhead = get_cluster("cpu").device.step_overhead
+    assert plan.solver["objective"] + step_overhead == pytest.approx(plan.predicted["step_time_s"], rel=1e-6)
+
+
+def test_parameters_beyond_a_bucket_pay_a_call_per_bucket():
+    """Past 25 MiB of parameters each pays its share of a full bucket's call: n bytes, n / 25 MiB calls."""
+    from autopar.cost_models.collectives import BUCKET_BYTES, launch_time
+    from autopar.cost_models.graph_costs import CostContext, bucketed
+    from autopar.cost_models.resharding import Move
+    ctx = CostContext.make((4,), get_cluster("cpu"))
+    launch = launch_time(Collective.ALL_REDUCE, ctx.links[0])
+    moves = [Move(Collective.ALL_REDUCE, 0, n, collective_time(Collective.ALL_REDUCE, n, ctx.links[0]))
+             for n in (10 * 2**20, 40 * 2**20)]
+    priced = bucketed(moves, "backward", float(BUCKET_BYTES), ctx)
+    assert priced[0].seconds == pytest.approx(moves[0].seconds - launch * (1 - 10 / 25), rel=1e-12)
+    assert priced[1].seconds == moves[1].seconds  # a tensor beyond the cap is a bucket of its own
+
+
+def test_a_regathered_modules_parameters_share_one_call():
+    """ZeRO-3 buckets stay within a module (codegen, as FSDP2 shards per module): a module's weight and
+    bias pay one call between them in each gather and reduce-scatter."""
+    from autopar.cost_models.collectives import launch_time
+    model, plan = _mlp_plan(["S(0)", "regather"])
+    links = axis_links(get_cluster("cpu"), (4,))[0]
+    modules = {fqn.rpartition(".")[0] for fqn, _ in model.named_parameters()}
+    for phase, kind in (("forward", "all_gather"), ("recompute", "all_gather"), ("backward", "reduce_scatter")):
+        listed = _parameter_moves(plan, phase, kind)
+        assert {c["tensor"].rpartition(".")[0] for c in listed} == modules
+        for module in modules:
+            mine = [c for c in listed if c["tensor"].rpartition(".")[0] == module]
+            bytes_only = sum(collective_time(Collective(kind), c["bytes"], links) for c in mine) \
+                - len(mine) * launch_time(Collective(kind), links)
+            assert sum(c["seconds"] for c in mine) == pytest.approx(
+                bytes_only + launch_time(Collective(kind), links), rel=1e-9)
+
+
+def test_pipeline_stages_price_each_parameters_reduction():
+    """A pipeline stage reduces each gradient once per step on its own (spmd.GradAccumulation): its
+    CostContext has no buckets and the moves keep their whole calls."""
+    from autopar.cost_models.graph_costs import CostContext, bucketed
+    from autopar.cost_models.resharding import Move
+    ctx = CostContext.make((4,), get_cluster("cpu"), buckets=False)
+    move = Move(Collective.ALL_REDUCE, 0, 4096.0, collective_time(Collective.ALL_REDUCE, 4096.0, ctx.links[0]))
+    assert bucketed([move], "backward", None, ctx) == [move]

@@ -182,12 +182,19 @@ def test_clustered_solve_peels_the_layers_whose_position_changes_their_plan(monk
     """Repeated layers share ILP variables, but the first layer's gradient
     sync has the least backward compute left to hide under: here the optimum
     data-parallelises the later layers and not the first. Forcing every layer
-    to share one strategy (the clustering before the ends were peeled) is 6%
-    off the unclustered optimum on this model; peeling is within 1%."""
+    to share one strategy (the clustering before the ends were peeled) is 2%
+    off the unclustered optimum on this model; peeling is within 1%. (A node
+    whose links have a quarter of NVLink's bandwidth, as PCIe-class links do:
+    on dgx-a100 itself the bucketed sync of this GPT all but hides.)"""
+    import json
+
     import autopar.planner
+    from autopar.cost_models.cluster import get_cluster
     monkeypatch.setattr(autopar.planner, "SOLVED_ALONE", 1)  # four layers: clustered, as a longer model would be
-    model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=64, batch=16)
-    compile_ = lambda **kw: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, **kw)  # noqa: E731
+    cluster = json.loads(json.dumps(get_cluster("dgx-a100").to_json()))
+    cluster["name"], cluster["intra_node"]["bandwidth"] = "dgx-a100-quarter-links", cluster["intra_node"]["bandwidth"] / 4
+    model, inputs, loss = _meta_gpt(layers=4, hidden=512, seq=64, batch=16)
+    compile_ = lambda **kw: autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, **kw)  # noqa: E731
     exact = compile_(cluster_layers=False).solver["objective"]
     peeled = compile_()
     (blocks,) = peeled.solver["layer_classes"]
@@ -406,7 +413,8 @@ def test_exposed_sync_in_the_model_gives_the_every_bound_optimum(monkeypatch):
     variable and row per sync point) and solves again: the optimum of the
     model with every point's bound written out in full."""
     import autopar.solver as solver
-    model, inputs, loss = _meta_gpt(layers=2, hidden=256, seq=64, batch=16)
+    # wide and short: gradient bytes grow with the width, the backward compute of few tokens barely does
+    model, inputs, loss = _meta_gpt(layers=2, hidden=1024, seq=64, batch=16)
     compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
     added = []
     running = solver._ILP.exposed_sync_rows
@@ -435,7 +443,7 @@ def test_exposed_sync_in_the_model_gives_the_every_bound_optimum(monkeypatch):
     assert lazy.solver["status"] == full.solver["status"] == "OPTIMAL"
     assert lazy.solver["objective"] == pytest.approx(full.solver["objective"], rel=2e-4)
     assert lazy.solver["objective"] == pytest.approx(lazy.predicted["step_time_s"])
-    assert lazy.solver["window_exposed_s"] > 0 and lazy.predicted["grad_sync_exposed_s"] < lazy.solver["window_exposed_s"]
+    assert lazy.solver["window_exposed_s"] > 0 and lazy.predicted["grad_sync_exposed_s"] <= lazy.solver["window_exposed_s"]
 
 
 def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkeypatch):
@@ -460,8 +468,9 @@ def test_plan_prices_the_sync_that_cannot_hide():
     (every parameter pinned replicated): the whole sync is shorter than the
     backward compute (about two thirds of the compute: twice the forward's
     FLOPs), yet the first layer's gradients, made last, leave part of their
-    sync exposed. (Left free, the planner finds a plan whose sync all hides.)"""
-    model, inputs, loss = load_factory("examples/gpt.py:demo")
+    sync exposed. (Left free, the planner finds a plan whose sync all hides.) A GPT wide for its batch:
+    its gradients' bytes grow with the width, the backward compute of 256 tokens barely does."""
+    model, inputs, loss = _meta_gpt(layers=2, hidden=1024, seq=32, batch=8)
     replicated = {fqn: "R" for fqn, _ in model.named_parameters()}
     plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, parameter_placements=replicated)
     p = plan.predicted
