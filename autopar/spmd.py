@@ -104,8 +104,10 @@ def param(local: torch.Tensor, spec: str, axes: tuple) -> torch.Tensor:
     mesh = _mesh()
     acc = getattr(_state, "accumulation", None)
     sync = getattr(_state, "grad_sync", None) if acc is None else None
-    if sync is None and getattr(local, "_autopar_sync", None) is not None:
-        local._autopar_sync = None  # reduced another way now (an earlier step's GradSync no longer)
+    if (sync is None or not axes) and getattr(local, "_autopar_sync", None) is not None:
+        # reduced another way now, or not at all (its gradient whole on every rank): not by an earlier
+        # step's GradSync, which would sum it again (a dynamic plan's piece that runs its ops whole)
+        local._autopar_sync = None
     placements = _spec(spec, mesh.ndim)
     if any(not isinstance(placements[a], Replicate) for a in axes):
         raise ValueError(f"a parameter placed {spec} is summed over mesh axes {axes}: only axes that replicate it")
