@@ -166,7 +166,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     """Price every candidate strategy of ``target`` with its neighbours as planned."""
     from autopar.cost_models.cluster import Cluster
     from autopar.cost_models.graph_costs import (
-        CostContext, bucket_bytes, bucketed, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute,
+        CostContext, bucket_bytes, edge_memory, edge_moves, kept_outputs, needs_grad, node_compute,
         node_memory, op_moves, optimizer_time, produced, replays, reshard_key, saves_input, shares_reshard,
     )
     from autopar.cost_models.resharding import reads_in_place
@@ -224,9 +224,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         for idx, src in enumerate(node.inputs):
             producer = planned_of(src)
             have, meta = produced(graph, src, node, producer)
-            fwd, bwd = edge_moves(have, s, idx, meta, ctx, name in grad and src in grad)
-            bucket = bucket_bytes(graph, src, producer.regather, ctx)
-            fwd, bwd = bucketed(fwd, "forward", bucket, ctx), bucketed(bwd, "backward", bucket, ctx)
+            fwd, bwd = edge_moves(have, s, idx, meta, ctx, name in grad and src in grad,
+                                  bucket_bytes(graph, src, producer.regather, ctx))
             key = key_of(name, idx, s, src)
             others = wanted.get((src, key), []) if key is not None else []
             paid = not others and (src, key) not in mine
@@ -255,9 +254,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
         for group in groups.values():
             c, idx = group[0]
             have, meta = produced(graph, name, graph.nodes[c], s)
-            fwd, bwd = edge_moves(have, planned_of(c), idx, meta, ctx, c in grad and name in grad)
-            bucket = bucket_bytes(graph, name, s.regather, ctx)
-            fwd, bwd = bucketed(fwd, "forward", bucket, ctx), bucketed(bwd, "backward", bucket, ctx)
+            fwd, bwd = edge_moves(have, planned_of(c), idx, meta, ctx, c in grad and name in grad,
+                                  bucket_bytes(graph, name, s.regather, ctx))
             transfers += _transfers(c, "out", name, fwd, bwd, mesh.names, [o for o, _ in group[1:]], True)
             for o, _ in group:
                 if replays(s.regather, False, o in grad):  # ZeRO-3: gathered again in backward, per consumer

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import (
-    CostContext, SharedReshards, backward_working_set, bucket_bytes, bucketed, edge_memory, edge_moves,
+    CostContext, SharedReshards, backward_working_set, bucket_bytes, edge_memory, edge_moves,
     gradient_transient, memory_breakdown, needs_grad, node_compute, op_moves,
     gather_transient, gathers, host_bytes, optimizer_time, produced, replays, saves_input, step_temporaries,
 )
@@ -550,9 +550,7 @@ def node_costs(graph: Graph, chosen: dict, ctx: CostContext, rc: Recomputation =
         for idx, src in enumerate(node.inputs):
             (src_spec, meta), regather = produced(graph, src, node, chosen[src]), chosen[src].regather
             backward = node.name in grad and src in grad
-            fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward)
-            bucket = bucket_bytes(graph, src, regather, ctx)
-            fwd, bwd = bucketed(fwd, "forward", bucket, ctx), bucketed(bwd, "backward", bucket, ctx)
+            fwd, bwd = edge_moves(src_spec, s, idx, meta, ctx, backward, bucket_bytes(graph, src, regather, ctx))
             replayed = fwd
             working += gradient_transient(bwd, src_spec, s, idx, meta, ctx)
             kept = node.name in grad and saves_input(node)

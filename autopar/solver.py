@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ortools.linear_solver import pywraplp
 
 from autopar.cost_models.graph_costs import (
-    CostContext, backward_working_set, bucket_bytes, bucketed, edge_memory, edge_moves, gradient_transient,
+    CostContext, backward_working_set, bucket_bytes, edge_memory, edge_moves, gradient_transient,
     host_bytes, memory_breakdown, needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
@@ -431,16 +431,15 @@ class _ILP:
     def _pair(self, sid: int, kid: int, consumer, idx: int, meta, backward: bool, bucket=None) -> tuple:
         """(forward s, backward s, backward us per link, gradient transient bytes,
         reads in place, whether it moves anything) of resharding spec ``sid``
-        to a consumer's key ``kid``: what
-        the edge costs depends on the specs, the key, the tensor and, for a
-        parameter, its bucket alone (graph_costs.bucketed), so edges of
-        repeated layers (and other edges alike) share one pricing."""
+        to a consumer's key ``kid``: what the edge costs depends on the
+        specs, the key, the tensor and, for a parameter, its bucket alone
+        (graph_costs.bucketed), so edges of repeated layers (and other edges
+        alike) share one pricing."""
         cache_key = (sid, kid, meta.shape, meta.dtype, backward, bucket)  # tuples compare faster than TensorMeta
         hit = self._pairs.get(cache_key)
         if hit is None:
             spec, key = self._values[sid], self._values[kid]
-            f, b = edge_moves(spec, consumer, idx, meta, self.ctx, backward)
-            f, b = bucketed(f, "forward", bucket, self.ctx), bucketed(b, "backward", bucket, self.ctx)
+            f, b = edge_moves(spec, consumer, idx, meta, self.ctx, backward, bucket)
             hit = self._pairs[cache_key] = (seconds(f), seconds(b), _on_links(b, self.ctx),
                                             gradient_transient(b, spec, consumer, idx, meta, self.ctx),
                                             reads_in_place(spec, key[0]), bool(f or b))

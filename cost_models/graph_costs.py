@@ -566,15 +566,18 @@ def produced(graph: Graph, src: str, consumer: Node, s: Strategy) -> tuple:
     return s.output, graph.nodes[src].outputs[0]
 
 
-def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool):
-    """(forward moves, backward moves) on the edge into input ``index`` of a consumer."""
+def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostContext, backward: bool,
+               bucket: float | None = None):
+    """(forward moves, backward moves) on the edge into input ``index`` of a
+    consumer; from a parameter, as its ``bucket`` runs them (``bucket_bytes``,
+    ``bucketed``)."""
     nbytes = ctx.tensor_bytes(meta)
     fwd = transitions(src_spec, consumer.inputs[index], nbytes, ctx.mesh_shape, ctx.links)
     bwd = []
     if backward:
         bwd = transitions(input_grad_spec(consumer, index, len(ctx.mesh_shape)), producer_grad_spec(src_spec),
                           nbytes, ctx.mesh_shape, ctx.links)
-    return fwd, bwd
+    return bucketed(fwd, "forward", bucket, ctx), bucketed(bwd, "backward", bucket, ctx)
 
 
 def bucket_bytes(graph: Graph, src: str, regather: bool, ctx: CostContext) -> float | None:
@@ -617,7 +620,8 @@ def bucketed(moves: list, phase: str, bucket: float | None, ctx: CostContext) ->
     if bucket is None:
         return moves
     kinds = (Collective.ALL_GATHER,) if phase == "forward" else (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
-    return [replace(m, seconds=m.seconds - launch_time(m.kind, ctx.links[m.axis]) * (1.0 - min(1.0, m.nbytes / bucket)))
+    share = lambda m: min(1.0, m.nbytes / bucket)  # noqa: E731
+    return [replace(m, seconds=m.seconds - launch_time(m.kind, ctx.links[m.axis]) * (1.0 - share(m)))
             if m.kind in kinds else m for m in moves]
 
 

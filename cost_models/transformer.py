@@ -611,7 +611,7 @@ def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fa
     """Seconds to gather or reduce ``tensors`` (parameters each) over dp: in
     eager PyTorch as a compiled plan prices them (graph_costs.bucketed), each
     tensor its bytes and its share of a call in a bucket of the stage's
-    parameters (``model_bytes``) up to graph_costs.BUCKET_BYTES (a ZeRO-3
+    parameters (``model_bytes``) up to collectives.BUCKET_BYTES (a ZeRO-3
     kernel's tensors: of their module's bytes, one call between them), and
     one call per tensor in a pipeline, whose stages reduce each gradient on
     its own; in GRAD_BUCKET_BYTES buckets where the kernels are Megatron-LM's."""

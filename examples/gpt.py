@@ -96,48 +96,37 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def small(batch: int = 8):
-    """FACTORY for the CLI: a 2-layer GPT, its example batch and its loss."""
+def _factory(cfg: GPTConfig, batch: int):
+    """(model, (idx, target), lm_loss): the GPT of ``cfg`` (seed 0) and a random batch of ``batch`` sequences."""
     torch.manual_seed(0)
-    cfg = GPTConfig()
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     return model, (idx, target), lm_loss
+
+
+def small(batch: int = 8):
+    """FACTORY for the CLI: a 2-layer GPT, its example batch and its loss."""
+    return _factory(GPTConfig(), batch)
 
 
 def medium(batch: int = 8):
     """FACTORY: a 2-layer GPT of hidden size 256 (vocabulary 512, context 64),
     whose best plan on two A100s changes with the batch size (docs/concepts.md,
     "Dynamic shapes": ``--dynamic batch=1..1024``)."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2)
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    return model, (idx, target), lm_loss
+    return _factory(GPTConfig(vocab=512, seq=64, hidden=256, heads=4, layers=2), batch)
 
 
 def explicit(batch: int = 8):
     """FACTORY: ``small`` with explicit attention (the s x s scores kept for
     backward), where selective recomputation frees memory."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(seq=128, attention="explicit")
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    return model, (idx, target), lm_loss
+    return _factory(GPTConfig(seq=128, attention="explicit"), batch)
 
 
 def demo(batch: int = 8):
     """FACTORY for the README: big enough (hidden 512) that an A100 cluster
     plan shards it, small enough to train on 4 CPU processes in seconds."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab=1024, seq=64, hidden=512, heads=8, layers=2)
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    target = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    return model, (idx, target), lm_loss
+    return _factory(GPTConfig(vocab=1024, seq=64, hidden=512, heads=8, layers=2), batch)
 
 
 def gpt3_6_7b(batch: int = 8, layers: int = 32):
