@@ -673,7 +673,9 @@ class _ILP:
             _time_limit(model, time_limit_s)
             with _quiet_stdout():
                 return model.Solve(params)
-        binaries = [v for vs in self.x.values() for v in vs if v.ub() > 0]
+        # every x relaxed, the pruned ones (fixed at 0) too: one integer column left makes HiGHS run its MIP
+        # search around the LP (presolve, feasibility jump): 3.2 s against 1.1 s for Llama's 76k columns
+        binaries = [v for vs in self.x.values() for v in vs]
         for v in binaries:
             v.SetInteger(False)
         self.relaxed = binaries  # integral again before the model next changes (``integral``)

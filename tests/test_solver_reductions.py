@@ -83,3 +83,20 @@ def test_an_integral_lp_optimum_is_the_optimum(spec, monkeypatch):
     assert mip.status == lp.status == "OPTIMAL"
     assert lp.objective_s == pytest.approx(mip.objective_s, rel=2 * GAP)
     assert lp.extra["solved_as_lp"] >= 1 and mip.extra["solved_as_lp"] == 0
+
+
+def test_the_relaxation_is_solved_as_a_pure_lp(monkeypatch):
+    """Every strategy variable is relaxed for the LP solve, the pruned ones
+    (fixed at 0) too: one integer column left makes HiGHS run its MIP search
+    around the LP (Llama's 76k columns on 2x2: 3.2 s against 1.1 s)."""
+    integer_columns = []
+    time_limit = solver._time_limit
+
+    def before_solve(model, seconds):
+        integer_columns.append(sum(v.integer() for v in model.variables()))
+        time_limit(model, seconds)
+
+    monkeypatch.setattr(solver, "_time_limit", before_solve)
+    solution = _solve("examples/mlp.py:small", monkeypatch, lp_first=True)
+    assert solution.extra["pruned"]["regather (ZeRO-3) and offload choices: memory cannot bind"] > 0
+    assert solution.extra["solved_as_lp"] >= 1 and integer_columns[0] == 0
