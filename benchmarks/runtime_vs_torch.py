@@ -100,9 +100,15 @@ def megatron_pins(model):
 
 
 def megatron_zero2_pins(model):
-    """``megatron_pins`` on the second mesh axis, every parameter sharded on
-    dim 0 over the first (FSDP2's sharding of a tensor-parallel weight)."""
-    return {fqn: ["S(0)", *tp] for fqn, tp in megatron_pins(model).items()}
+    """``megatron_pins`` on the second mesh axis, every parameter held
+    sharded over the first on a dim the second does not split (dim 0, or
+    dim 1 for a column-parallel weight), so that gathering over the first
+    gives each rank its tensor-parallel piece whole, as FSDP2's shard of a
+    ``parallelize_module`` weight (its ``_StridedShard``) does. A vector
+    split by Megatron has no other dim: its two splits nest on dim 0."""
+    shapes = {fqn: p.dim() for fqn, p in model.named_parameters()}
+    return {fqn: ["S(1)" if tp == ["S(0)"] and shapes[fqn] > 1 else "S(0)", *tp]
+            for fqn, tp in megatron_pins(model).items()}
 
 
 # --- the hand-written equivalents -------------------------------------------
