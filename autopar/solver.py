@@ -471,61 +471,82 @@ class _ILP:
         in_groups: dict = {}  # reshard key id -> [(strategy index, strategy)]
         for j, s, kid in self._key_ids(dst, idx, backward):
             in_groups.setdefault(kid, []).append((j, s))
-        unit, replay, held, synced, grads = {}, {}, {}, {}, {}
+        # (p, key) -> (reshard us, forward us replayed, bytes kept, gradient bytes, sync per link, reads in place)
+        priced: dict = {}
         saved = dst in self.grad and saves_input(graph.nodes[dst])
         hides = self.overlap and graph.nodes[src].kind is NodeKind.PARAM
         plain = times - replayed
         follows = self._follower(src, dst, idx) if len(out_groups) > 1 and len(in_groups) > 1 else None
+        most_grad = 0.0
         for p in out_groups:
             spec, regather = p
             bucket = bucket_bytes(graph, src, regather, ctx)
+            again = replayed + (plain if replays(regather, False, dst in self.grad) else 0)
             for key, members in in_groups.items():
                 if follows and not follows(p, key):
                     self.followed += 1
                     continue
                 f, b, on_links, grad_bytes, as_read, _ = self._pair(spec, key, members[0][1], idx, meta, backward,
                                                                     bucket)
-                again = replayed + (plain if replays(regather, False, dst in self.grad) else 0)
-                unit[p, key] = (f + (0.0 if hides else b)) * US
-                replay[p, key] = f * again * US
-                synced[p, key] = on_links if hides else {}  # per instance, link -> microseconds
-                held[p, key] = 0.0 if regather else self._held(spec, key, meta, saved, src in self.read)
-                grads[p, key] = grad_bytes
-                self._in_place[p[0], key] = as_read
+                held = 0.0 if regather else self._held(spec, key, meta, saved, src in self.read)
+                priced[p, key] = ((f + (0.0 if hides else b)) * US, f * again * US, held, grad_bytes,
+                                  on_links if hides else None, as_read)  # sync: per instance, link -> us
+                most_grad = max(most_grad, grad_bytes)
+                self._in_place[spec, key] = as_read
         for consumer in instances:
-            self.grad_bound[consumer] += max(grads.values(), default=0.0)
+            self.grad_bound[consumer] += most_grad
+        objective, resharded, window = self.objective, self.resharded_grads, self.window
+        # a tuple item's reshard is its edge's own (not shared with other consumers): these instances
+        item = not shares_reshard(graph.nodes[dst])
+        behind_item = {(src, dst, idx, n) for n in range(times)} if item else None
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
+            unit, replay, held, grad_bytes, synced, as_read = priced[p, key]
             for v in terms:
-                _add(self.objective, v, replay[p, key])
-                for consumer in instances if grads[p, key] else ():
-                    _add(self.resharded_grads.setdefault(consumer, {}), v, grads[p, key])
-                for consumer in instances if synced[p, key] else ():
-                    for link, us in synced[p, key].items():
-                        self.window.sync(consumer, v, us, (link,))
+                if replay:
+                    _add(objective, v, replay)
+                if grad_bytes:
+                    for consumer in instances:
+                        _add(resharded.setdefault(consumer, {}), v, grad_bytes)
+                if synced:
+                    for consumer in instances:
+                        for link, us in synced.items():
+                            window.sync(consumer, v, us, (link,))
             # A reshard is one group (one per tuple item: not shared), paid
             # once; the tensor kept for backward is its copy, or the
             # producer's own for every consumer that reads it in place.
-            as_read = self._in_place[p[0], key]
-            if unit[p, key] or (held[p, key] and not as_read):
-                item = not shares_reshard(graph.nodes[dst])
-                join((src, dst, idx, p, key) if item else (src, p, key), unit[p, key],
-                     {(src, dst, idx, n) for n in range(times)} if item else producers,
-                     terms, 0.0 if as_read else held[p, key])
-            if as_read and held[p, key]:
-                join((src, p, "as read"), 0.0, producers, terms, held[p, key])
+            if unit or (held and not as_read):
+                join((src, dst, idx, p, key) if item else (src, p, key), unit,
+                     behind_item if item else producers, terms, 0.0 if as_read else held)
+            if as_read and held:
+                join((src, p, "as read"), 0.0, producers, terms, held)
+
+        merged: dict = {}  # group key -> the most bytes this edge's instances were merged into it with
 
         def join(group_key, cost_us, behind, terms, nbytes):
             """Add this edge's choice ``terms`` to a shared group: its cost once
             per producer instance (``behind``), and a kept tensor of ``nbytes``
-            per producer instance, made at its first consumer."""
-            group = shared.setdefault(group_key, [cost_us, set(), [], {}])
-            group[1] |= behind
+            per producer instance, made at its first consumer. An edge's
+            pairs share one ``behind`` and one ``keeping``: merged into a
+            group once, again only for more bytes."""
+            group = shared.get(group_key)
+            if group is None:
+                group = shared[group_key] = [cost_us, set(), [], {}]
             group[2].append((terms, behind))
+            before = merged.get(group_key)
+            if before is None:
+                group[1] |= behind
+            elif nbytes <= before:
+                return
+            merged[group_key] = nbytes
+            copies = group[3]
             for inst, consumer in keeping.items():
-                before = group[3].get(inst, (0.0, consumer))
-                group[3][inst] = (max(before[0], nbytes), before[1])
+                had = copies.get(inst)
+                if had is None:
+                    copies[inst] = (nbytes, consumer)
+                elif nbytes > had[0]:
+                    copies[inst] = (nbytes, had[1])
 
         if len(out_groups) == 1:  # the producer is fixed: cost depends on the consumer only
             (p0,) = out_groups
@@ -538,7 +559,7 @@ class _ILP:
                 charge([x[src][i] for i in members], p, k0)
             return
         y = {}
-        for p, key in unit:
+        for p, key in priced:
             y[p, key] = model.NumVar(0.0, 1.0, "")
             charge([y[p, key]], p, key)
         self.edge_vars.append(list(y.values()))
@@ -596,13 +617,16 @@ class _ILP:
         first = {}  # of the strategies a solution may choose
         for _, s, kid in self._key_ids(dst, idx, backward):
             first.setdefault(kid, s)
-        runs_on = {self._values[kid][0] for kid in first}
+        # specs by id (equal specs, equal ids: placements compare and hash slowly)
+        wanted = {kid: self._id(self._values[kid][0]) for kid in first}
+        runs_on = set(wanted.values())
+        pieces = {sid: shard_factor(self._values[sid], ms) for sid in runs_on}
 
         def follows(p, kid) -> bool:
-            spec, wanted = self._values[p[0]], self._values[kid][0]
-            if wanted == spec or spec not in runs_on or shard_factor(wanted, ms) > shard_factor(spec, ms):
+            sid, want = p[0], wanted[kid]
+            if want == sid or sid not in runs_on or pieces[want] > pieces[sid]:
                 return True
-            return not self._pair(p[0], kid, first[kid], idx, meta, backward)[5]
+            return not self._pair(sid, kid, first[kid], idx, meta, backward)[5]
 
         return follows
 
