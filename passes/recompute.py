@@ -16,6 +16,8 @@ and runs its forward again during backward.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -167,12 +169,20 @@ def _worth_recomputing(graph: Graph, layer_runs: list, ctx) -> list:
     from_params = _parameters_and_derived(graph)
     out = []
     for run in layer_runs:
-        whole = _freed(graph, run, kept, consumers, grad) / _forward_seconds(graph, run, ctx)
+        whole = _per_second(_freed(graph, run, kept, consumers, grad), _forward_seconds(graph, run, ctx))
         for piece in _split_at_parameters(graph, run, from_params):
             freed = _freed(graph, piece, kept, consumers, grad)
-            if freed > 0 and freed / _forward_seconds(graph, piece, ctx) >= whole:
+            if freed > 0 and _per_second(freed, _forward_seconds(graph, piece, ctx)) >= whole:
                 out.append(piece)
     return out
+
+
+def _per_second(freed: float, seconds: float) -> float:
+    """Bytes freed per second of forward recomputed; a region that computes
+    nothing (views only) frees what it frees for free."""
+    if seconds > 0:
+        return freed / seconds
+    return math.inf if freed > 0 else 0.0 if freed == 0 else -math.inf
 
 
 def _freed(graph: Graph, region: list, kept: dict, consumers: dict, grad: set) -> float:

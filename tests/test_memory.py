@@ -363,3 +363,46 @@ def test_a_layer_written_in_its_parents_forward_is_one_region_with_its_glue():
         plan = autopar.compile(model, inputs, mesh=2, cluster="dgx-a100", loss_fn=loss)
     assert plan.recompute["mode"] == "none"
     assert any("recompute 'full' is not an option" in w for w in plan.warnings)
+
+
+def test_selective_recomputation_of_a_layer_that_computes_nothing():
+    """A numbered layer made of views only (perceiver-pytorch's Perceiver LM
+    has such a layer) costs no forward compute: the bytes-per-second rule
+    must not divide by its zero seconds (it raised ZeroDivisionError from the
+    compile's fallback to recomputation once a solve ran out of time)."""
+    from torch import nn
+
+    from autopar.capture import capture
+    from autopar.passes.recompute import recomputation
+
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Fold(nn.Module):  # views only
+        def forward(self, x):
+            return x.reshape(x.shape[0], 4, 4).transpose(1, 2).reshape(x.shape[0], 16)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Dense(), Fold(), Dense(), Fold()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(8, 16), torch.randn(8, 16)
+    graph = capture(model, (x, y), torch.nn.functional.mse_loss)
+    ctx = CostContext.make((4,), get_cluster("dgx-a100"), "adamw", "fp32")
+    rc = recomputation(graph, "selective", ctx=ctx)
+    assert all(not p.startswith(("layers.1", "layers.3")) for p in rc.paths), rc.paths  # nothing kept there to free
+    plan = autopar.compile(model, (x, y), mesh=4, cluster="dgx-a100", loss_fn=torch.nn.functional.mse_loss,
+                           recompute="selective")
+    assert plan.solver["status"] == "OPTIMAL"
