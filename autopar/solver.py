@@ -249,7 +249,6 @@ class _ILP:
         self._keys: dict = {}  # (consumer, input, backward) -> its live strategies' key ids (_key_ids)
         self._pairs: dict = {}  # (spec id, key id, shape, dtype, backward) -> an edge pair's pricing (_pair)
         self._kept: dict = {}  # (spec id, key id, shape, dtype, saved, read) -> edge_memory (_held)
-        self._in_place: dict = {}  # (spec id, key id) -> reads_in_place
         self._alive: dict = {}  # node -> its strategies not fixed off (_live)
         self.relaxed: list = []  # the x variables an LP solve left continuous (``run``)
         self.by_lp = 0  # solves the LP relaxation answered (``run``)
@@ -492,7 +491,6 @@ class _ILP:
                 priced[p, key] = ((f + (0.0 if hides else b)) * US, f * again * US, held, grad_bytes,
                                   on_links if hides else None, as_read)  # sync: per instance, link -> us
                 most_grad = max(most_grad, grad_bytes)
-                self._in_place[spec, key] = as_read
         for consumer in instances:
             self.grad_bound[consumer] += most_grad
         objective, resharded, window = self.objective, self.resharded_grads, self.window
