@@ -1,7 +1,7 @@
 """Emitted programs against the same parallelization written by hand with torch.distributed.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] \
-        [--cases dp,zero2,zero3,tp,tp_zero2]
+        [--cases dp,zero2,zero3,tp,tp_zero2] [--cluster PROFILE.json] [--profile]
 
 One launch, 4 gloo ranks. For each case autopar compiles the family's hand plan on
 the ``cpu`` cluster (autopar/pinned.py: parameters and inputs placed as the
@@ -226,7 +226,23 @@ def one_device(model, inputs, loss_fn):
     return lambda: loss_fn(model(*inputs[:-1]), inputs[-1])
 
 
-def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str) -> dict:
+def profiled(name: str, plan, step, opt, steps: int = 5) -> None:
+    """Rank 0's autopar step under torch.profiler: the ops that take the most
+    self time (spmd's autograd functions hold their collectives' waits), next
+    to the plan's predicted split of the step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            timed(step, opt)
+    if dist.get_rank() == 0:
+        p = plan.predicted
+        print(f"\n{name}: {steps} autopar steps on rank 0; predicted per step: compute {p['compute_s'] * 1e3:.1f} ms, "
+              f"communication {p['comm_s'] * 1e3:.1f} ms, optimizer {p['optimizer_s'] * 1e3:.1f} ms, step "
+              f"{p['step_time_s'] * 1e3:.1f} ms")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, profile: bool = False) -> dict:
     make, pins, hand, hand_name, is_family, input_pins, mesh = CASES[name]
     device_mesh = meshes[mesh]
     model, inputs, loss_fn = make()
@@ -245,6 +261,8 @@ def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str) -> 
             t = timed(steps_[k], opts[k])
             if i >= warmup:
                 times[k].append(t)
+    if profile:
+        profiled(name, plan, ours, opts[0])
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     a, b, one = (statistics.median(row) for row in slowest.tolist())
@@ -259,11 +277,13 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--cluster", default="cpu", help="the cluster the plans are priced on (a preset or a profile "
                     "file: `autopar calibrate -o F` measures this machine now)")
+    ap.add_argument("--profile", action="store_true", help="also profile 5 autopar steps of each case on rank 0 "
+                    "and print where they go, next to the plan's predicted compute and communication")
     args = ap.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
     meshes = {"4": init_distributed((WORLD,), ("x",))}
     meshes["2x2"] = init_device_mesh(meshes["4"].device_type, (2, 2), mesh_dim_names=("x", "y"))
-    rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster) for c in args.cases.split(",")]
+    rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster, args.profile) for c in args.cases.split(",")]
     if dist.get_rank() == 0:
         print(f"{'case':<9} {'mesh':<4} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} "
               f"{'predicted ms':>12} {'one device ms':>13}")
