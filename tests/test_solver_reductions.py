@@ -49,7 +49,11 @@ def test_a_budget_that_can_bind_keeps_the_reshards_into_followers(monkeypatch):
     dominated: the parameter-heavy GPT at 90 MB lost 3.5% of its step time
     (no ZeRO-2) when they were left out. There the full model is solved."""
     import autopar
+    import autopar.planner
     from test_memory import parameter_heavy
+    # the peeled solve's time cap is a policy for the machine's speed, not what is tested: in a loaded suite
+    # run the larger model's peeled solve ran past it and its clustered plan (3.9% slower) stood
+    monkeypatch.setattr(autopar.planner, "PEEL_TIME_FACTOR", 100.0)
     model, inputs, loss, cluster = parameter_heavy()
     objective = {}
     for follow in (False, True):
