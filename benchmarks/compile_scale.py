@@ -288,9 +288,11 @@ def main():
         return
     if args.gpt3:
         r = gpt3()
+        again = f"{r['plan_estimate_s']:.3f} s" if r["plan_estimate_s"] is not None else \
+            "n/a: its chunks hold unequal layer counts, which estimate does not price"
         print(f"GPT-3 175B, 1024 GPUs, default command, fp16: {r['wall_s']:.1f} s, {r['mesh']} {r['schedule']} "
               f"recompute {r['recompute']}: {r['step_s']:.3f} s (priced by `estimate` for autopar's runtime: "
-              f"{r['plan_estimate_s']:.3f} s); load {r['load']:.1f}")
+              f"{again}); load {r['load']:.1f}")
         print(f"best hand grid, autopar's runtime (eager kernels, torch AdamW, blocking ZeRO-1 gathers and "
               f"reductions): {r['ours_hand']}: {r['ours_hand_s']:.3f} s")
         print(f"best hand grid, Megatron-LM's runtime (fused kernels and Adam, overlapped reductions and "

@@ -747,3 +747,17 @@ def test_pipeline_stages_price_each_parameters_reduction():
     ctx = CostContext.make((4,), get_cluster("cpu"), buckets=False)
     move = Move(Collective.ALL_REDUCE, 0, 4096.0, collective_time(Collective.ALL_REDUCE, 4096.0, ctx.links[0]))
     assert bucketed([move], "backward", None, ctx) == [move]
+
+
+def test_data_parallelism_outside_a_pipeline_syncs_each_parameter_on_its_own():
+    """The pipeline search prices the replicas' sync as the pipeline runtime runs it (ZeRO-1, `_Zero1`):
+    a reduce-scatter and an all-gather per parameter, each paying its call, not one all-reduce of the
+    stage's gradients; so at 64 replicas across nodes many small tensors cost more than a few large ones."""
+    from autopar.cost_models.collectives import axis_links
+    from autopar.pipeline.stages import _outer_sync
+    link = axis_links(get_cluster("dgx-a100"), (4, 64, 4))[1]
+    sizes = [3e6] * 10 + [5e7] * 2
+    per_parameter = sum(collective_time(Collective.REDUCE_SCATTER, b, link)
+                        + collective_time(Collective.ALL_GATHER, b, link) for b in sizes)
+    assert _outer_sync(sum(sizes), len(sizes), link) == pytest.approx(per_parameter, rel=1e-6)
+    assert _outer_sync(sum(sizes), len(sizes), link) > collective_time(Collective.ALL_REDUCE, sum(sizes), link)
