@@ -48,7 +48,7 @@ class LayerCost:
     """Gradient synchronisation over the submesh (once per step)."""
     param_bytes: float = 0.0
     grad_bytes: float = 0.0
-    """Gradients (also what data parallelism outside the submesh all-reduces)."""
+    """Gradients (also what data parallelism outside the submesh reduces, ``stages._outer_sync``)."""
     grad_tensors: float = 0.0
     """Parameters with a gradient: data parallelism outside the submesh reduces and
     gathers each on its own (the pipeline runtime's ZeRO-1, ``_Zero1``), a call each."""
