@@ -19,15 +19,16 @@ the same placement.
   kept so that the usual loop reads the same;
 * ``pmodel.parameters()`` are this rank's shards of its stage's parameters, so
   a plain AdamW updates them; a parameter replicated over a submesh axis is
-  exposed as a flat 1/n shard of it (ZeRO stage 1, ``_Zero1``: its gradient
-  is reduce-scattered once per step and the updated shards are all-gathered
-  at the start of the next step), so the optimizer states are sharded too;
-  gradients equal single-device full-batch
+  exposed as a flat 1/n shard of it (ZeRO stage 1, ``spmd.OptimizerShard``: its
+  gradient is reduce-scattered once per step and the updated shards are
+  all-gathered at the start of the next step, in buckets), so the optimizer
+  states are sharded too; gradients equal single-device full-batch
   training: each microbatch's mean loss is divided by m (``scale_grads`` of
   the torch schedules is off), which is exact for a loss that averages over
   the batch, as torch's losses do by default. Gradients of parameters
   replicated over a submesh axis accumulate as local partial sums over the
-  microbatches and are all-reduced once per step (``spmd.GradAccumulation``);
+  microbatches and are all-reduced once per step, in buckets
+  (``spmd.GradAccumulation``);
 * ``state_dict()`` / ``load_state_dict()`` speak full tensors under the
   original names, gathered across the submesh and the stages.
 
@@ -376,7 +377,7 @@ class PipelinedModule(nn.Module):
         for fqn, prm in local.items():
             axis = zero1_axis(self._placements[fqn], tuple(self._inner.shape))
             if axis is not None and prm.requires_grad:
-                self._zero1[fqn] = _Zero1(prm, self._inner, axis)
+                self._zero1[fqn] = spmd.OptimizerShard(prm, self._inner, axis)
         exposed = {fqn: self._zero1[fqn].shard if fqn in self._zero1 else prm for fqn, prm in local.items()}
         tree = _ParamTree(exposed)  # registered here so that names stay the originals
         for name, child in tree.named_children():
@@ -467,8 +468,8 @@ class PipelinedModule(nn.Module):
 
     def _refresh(self) -> None:
         """Gather the ZeRO-1 shards the optimizer updated into the stage's parameters (collective)."""
-        for z in self._zero1.values():
-            z.gather()
+        for shards in spmd.by_axis(self._zero1.values()):
+            spmd.all_gather_in_buckets(shards, shards[0].bucket_bytes)
 
     def optimizer(self, optimizer_class, params=None, **kwargs) -> torch.optim.Optimizer:
         """``optimizer_class`` over this stage's parameters (ParallelModule.optimizer's
@@ -505,63 +506,6 @@ class PipelinedModule(nn.Module):
                 if key in state_dict:
                     buf.copy_(state_dict[key])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-class _Zero1:
-    """ZeRO stage 1 for one parameter of a pipeline stage, replicated over
-    mesh ``axis``: the optimizer updates ``shard``, this rank's 1/n of the
-    flattened parameter (padded to a multiple of n). After the microbatches,
-    the accumulated gradient is reduce-scattered over the axis into
-    ``shard.grad``; before the next step the shards are all-gathered into the
-    parameter the stage program uses (``pipeline.zero1_axis``)."""
-
-    def __init__(self, full: nn.Parameter, mesh, axis: int):
-        self.full, self.axis = full, axis
-        self.group = mesh.get_group(axis)
-        self.n = mesh.size(axis)
-        self.index = mesh.get_local_rank(axis)
-        self.size = -(-full.numel() // self.n)
-        self.shard = nn.Parameter(torch.zeros(self.size, dtype=full.dtype, device=full.device))
-        self.load()
-
-    def load(self) -> None:
-        """Take this rank's piece of ``full`` (after it was written)."""
-        piece = self.full.detach().reshape(-1)[self.index * self.size:(self.index + 1) * self.size]
-        with torch.no_grad():
-            self.shard.zero_()
-            self.shard[:piece.numel()].copy_(piece)
-
-    def _padded(self, t: torch.Tensor) -> torch.Tensor:
-        flat = torch.zeros(self.size * self.n, dtype=t.dtype, device=t.device)
-        flat[:t.numel()].copy_(t.reshape(-1))
-        return flat
-
-    def reduce(self, summed: bool = False) -> None:
-        """This rank's piece of the accumulated gradient into ``shard.grad``:
-        reduce-scattered, or with ``summed`` (every rank has the whole
-        gradient: the stage's ops are replicated over the axis) taken."""
-        grad = self.full.grad
-        if summed:
-            out = self._padded(grad)[self.index * self.size:(self.index + 1) * self.size]
-        else:
-            out = torch.empty(self.size, dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_tensor(out, self._padded(grad), group=self.group)
-        self.shard.grad = out if self.shard.grad is None else self.shard.grad + out
-        self.full.grad = None
-
-    def _unsharded(self, shard: torch.Tensor) -> torch.Tensor:
-        """The shards of all ranks on the axis, as a tensor shaped like ``full`` (collective)."""
-        flat = torch.empty(self.size * self.n, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(flat, shard.detach(), group=self.group)
-        return flat[:self.full.numel()].view_as(self.full)
-
-    def gather(self) -> None:
-        with torch.no_grad():
-            self.full.copy_(self._unsharded(self.shard))
-
-    def full_grad(self) -> torch.Tensor:
-        """The reduced gradient of the whole local parameter (collective; for checks)."""
-        return self._unsharded(self.shard.grad)
 
 
 class _MicrobatchLoss:

@@ -186,7 +186,7 @@ def prepare(graph: Graph, mesh, cluster, *, memory: float | None = None, optimiz
         notes = [] if stage else _divisibility_warnings(graph, strategies, mesh) + _cluster_caveat(cluster)
     if stage:
         cluster = replace(cluster, overlap_grad_sync=False)
-    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage, buckets=not stage)
+    ctx = CostContext.make(mesh.shape, cluster, optimizer, precision, offload and not stage, stage=stage)
     budget = None if stage else memory if memory is not None else cluster.device.memory
     with phases("cluster"):
         if opt_level not in (1, 2):

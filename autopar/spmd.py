@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
+from autopar.cost_models.collectives import step_bucket_bytes
 from autopar.cost_models.resharding import nested_inside, producer_grad_spec
 from autopar.passes.rules.attention import zigzag_axes
 from autopar.passes.rules.experts import dispatch_axes
@@ -126,10 +127,10 @@ class GradAccumulation:
     """Gradient accumulation over the microbatches of a pipeline step. Inside
     it, the reduction of a parameter's gradient over the mesh axes the
     parameter is replicated on is deferred: each microbatch adds its local
-    partial sum to ``.grad``, and ``reduce()`` all-reduces the accumulated
+    partial sum to ``.grad``, and ``reduce()`` reduces the accumulated
     gradients once, after the last microbatch (what Megatron-LM and DDP's
-    ``no_sync`` do). Reductions into sharded parameters (ZeRO) still run in
-    every microbatch's backward."""
+    ``no_sync`` do), in buckets. Reductions into sharded parameters (ZeRO)
+    still run in every microbatch's backward."""
 
     def __init__(self):
         self.pending: dict = {}  # parameter -> mesh axes its gradient is still a partial sum over
@@ -138,27 +139,186 @@ class GradAccumulation:
         """Defer the reductions of the parameters used inside this ``with`` block."""
         return _scoped("accumulation", self)
 
-    def reduce(self, mesh, scatter: dict | None = None) -> int:
-        """All-reduce every accumulated gradient over its deferred axes of
-        ``mesh`` (a DeviceMesh), except that a parameter in ``scatter`` (its
-        optimizer state sharded over one axis: an object with ``axis`` and
-        ``reduce(summed)``) is reduce-scattered over that axis (or, summed
-        already, sliced); returns how many
+    def reduce(self, mesh, scatter: dict | None = None, bucket_bytes: int | None = None) -> int:
+        """Reduce every accumulated gradient over its deferred axes of ``mesh``
+        (a DeviceMesh), except that a parameter in ``scatter`` (its optimizer
+        state sharded over one axis: an ``OptimizerShard``) is
+        reduce-scattered over that axis into its shard's gradient (or,
+        summed already, sliced). Per mesh axis and dtype the gradients go
+        as one flat buffer cut in ``bucket_bytes`` pieces (default
+        ``step_bucket_bytes`` of the axis), one collective each, in the
+        order the forward used them (``in_buckets``); returns how many
         collectives ran."""
-        count = 0
+        summed: dict = {}  # (axis, dtype) -> gradients to all-reduce over the axis
+        scattered: dict = {}  # (summed over the axis here, axis, dtype) -> optimizer shards
         for prm, axes in self.pending.items():
             if prm.grad is None:
                 continue
+            if not prm.grad.is_contiguous():
+                prm.grad = prm.grad.contiguous()
             own = (scatter or {}).get(prm)
             for a in axes:
                 if own is None or a != own.axis:
-                    torch.distributed.all_reduce(prm.grad, group=mesh.get_group(a))
-                    count += 1
+                    summed.setdefault((a, prm.grad.dtype), []).append(prm.grad)
             if own is not None:
-                own.reduce(summed=own.axis not in axes)
-                count += own.axis in axes
+                scattered.setdefault((own.axis in axes, own.axis, prm.grad.dtype), []).append(own)
         self.pending.clear()
+        count = sum(all_reduce_in_buckets(grads, mesh.get_group(a), bucket_bytes or step_bucket_bytes(
+            mesh.size(a), grads[0].element_size())) for (a, _), grads in summed.items())
+        for (reduced, _, _), shards in scattered.items():
+            if reduced:
+                count += reduce_scatter_in_buckets(shards, bucket_bytes or shards[0].bucket_bytes)
+                continue
+            for own in shards:  # every rank has the whole gradient already: its piece
+                own.accumulate(own.rows(own.full.grad)[own.index].clone())
+                own.full.grad = None
         return count
+
+
+def in_buckets(sizes: list, per: int) -> list:
+    """Tensors of ``sizes`` elements laid end to end, as one flat buffer,
+    and cut every ``per`` elements (Megatron-LM's contiguous gradient buffer
+    in buckets): per bucket, its (tensor index, start, stop) ranges. A
+    tensor may straddle two buckets, so n bytes make ceil(n / bucket)
+    buckets, the count the pipeline search prices (``pipeline.stages``)."""
+    buckets, current, room = [], [], per
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(room, size - start)
+            current.append((i, start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                buckets.append(current)
+                current, room = [], per
+    return buckets + [current] if current else buckets
+
+
+def all_reduce_in_buckets(grads: list, group, bucket_bytes: int) -> int:
+    """All-reduce ``grads`` (contiguous, one dtype) over ``group`` in place,
+    in buckets of ``bucket_bytes``; returns the number of collectives."""
+    flats = [g.view(-1) for g in grads]
+    buckets = in_buckets([f.numel() for f in flats], max(1, bucket_bytes // grads[0].element_size()))
+    for bucket in buckets:
+        if len(bucket) == 1 and bucket[0][1:] == (0, flats[bucket[0][0]].numel()):
+            torch.distributed.all_reduce(flats[bucket[0][0]], group=group)  # one whole gradient: in place
+            continue
+        buf = torch.cat([flats[i][a:b] for i, a, b in bucket])
+        torch.distributed.all_reduce(buf, group=group)
+        offset = 0
+        for i, a, b in bucket:
+            flats[i][a:b].copy_(buf[offset:offset + b - a])
+            offset += b - a
+    return len(buckets)
+
+
+# --- ZeRO-1: optimizer state sharded over one mesh axis (a pipeline's) -------------
+
+class OptimizerShard:
+    """ZeRO stage 1 for one parameter replicated over mesh ``axis``: the
+    optimizer updates ``shard``, this rank's 1/n of the flattened parameter
+    (padded to a multiple of n). After the microbatches the accumulated
+    gradient is reduce-scattered over the axis into ``shard.grad``
+    (``GradAccumulation.reduce``); before the next step the updated shards
+    are all-gathered into the parameter the program uses
+    (``all_gather_in_buckets``). Both run in buckets over all the axis's
+    shards of one dtype, rank r's row of a bucket holding its pieces."""
+
+    def __init__(self, full: torch.nn.Parameter, mesh, axis: int):
+        self.full, self.axis = full, axis
+        self.group = mesh.get_group(axis)
+        self.n = mesh.size(axis)
+        self.index = mesh.get_local_rank(axis)
+        self.size = -(-full.numel() // self.n)
+        self.shard = torch.nn.Parameter(torch.zeros(self.size, dtype=full.dtype, device=full.device))
+        self.load()
+
+    def load(self) -> None:
+        """Take this rank's piece of ``full`` (after it was written)."""
+        with torch.no_grad():
+            self.shard.copy_(self.rows(self.full.detach())[self.index])
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like the parameter) flat as (n, size): row r is rank r's piece (zero-padded)."""
+        flat = t.reshape(-1)
+        if flat.numel() != self.n * self.size:
+            flat = torch.cat([flat, flat.new_zeros(self.n * self.size - flat.numel())])
+        return flat.view(self.n, self.size)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket its reduce-scatters and gathers share (``step_bucket_bytes``)."""
+        return step_bucket_bytes(self.n, self.shard.element_size())
+
+    def accumulate(self, piece: torch.Tensor) -> None:
+        self.shard.grad = piece if self.shard.grad is None else self.shard.grad + piece
+
+    def write(self, columns: torch.Tensor, a: int, b: int) -> None:
+        """Columns ``a:b`` of every rank's piece (``columns``: n rows) into the parameter."""
+        flat = self.full.detach().view(-1)
+        if flat.numel() == self.n * self.size:
+            flat.view(self.n, self.size)[:, a:b].copy_(columns)
+            return
+        for r in range(self.n):
+            lo, hi = r * self.size + a, min(r * self.size + b, flat.numel())
+            if lo < hi:
+                flat[lo:hi].copy_(columns[r, :hi - lo])
+
+    def full_grad(self) -> torch.Tensor:
+        """The reduced gradient of the whole local parameter (collective; for checks)."""
+        flat = self.shard.grad.new_empty(self.n * self.size)
+        torch.distributed.all_gather_into_tensor(flat, self.shard.grad.detach(), group=self.group)
+        return flat[:self.full.numel()].view_as(self.full)
+
+
+def reduce_scatter_in_buckets(shards: list, bucket_bytes: int) -> int:
+    """Each of ``shards``' parameter gradient (one axis, one dtype), summed
+    over the axis, into this rank's piece (``OptimizerShard.accumulate``):
+    their pieces laid end to end and cut in buckets of ``bucket_bytes`` of
+    gradient, one reduce-scatter each; returns the number of collectives."""
+    first = shards[0]
+    grads = [s.rows(s.full.grad) for s in shards]
+    mine = [g.new_empty(s.size) for g, s in zip(grads, shards)]
+    buckets = in_buckets([s.size for s in shards], max(1, bucket_bytes // (first.n * grads[0].element_size())))
+    for bucket in buckets:
+        rows = torch.cat([grads[i][:, a:b] for i, a, b in bucket], dim=1)
+        out = rows.new_empty(rows.shape[1])
+        torch.distributed.reduce_scatter_tensor(out, rows.reshape(-1), group=first.group)
+        offset = 0
+        for i, a, b in bucket:
+            mine[i][a:b] = out[offset:offset + b - a]
+            offset += b - a
+    for s, piece in zip(shards, mine):
+        s.accumulate(piece)
+        s.full.grad = None
+    return len(buckets)
+
+
+def all_gather_in_buckets(shards: list, bucket_bytes: int) -> int:
+    """The updated ``shards`` (one axis, one dtype) gathered into their
+    parameters, in the buckets ``reduce_scatter_in_buckets`` uses; returns
+    the number of collectives."""
+    first = shards[0]
+    buckets = in_buckets([s.size for s in shards],
+                         max(1, bucket_bytes // (first.n * first.shard.element_size())))
+    with torch.no_grad():
+        for bucket in buckets:
+            flat = torch.cat([shards[i].shard.detach()[a:b] for i, a, b in bucket])
+            out = flat.new_empty(first.n * flat.numel())
+            torch.distributed.all_gather_into_tensor(out, flat, group=first.group)
+            rows, offset = out.view(first.n, -1), 0
+            for i, a, b in bucket:
+                shards[i].write(rows[:, offset:offset + b - a], a, b)
+                offset += b - a
+    return len(buckets)
+
+
+def by_axis(shards) -> list:
+    """Optimizer shards grouped per (axis, dtype), in order: the groups the bucketed collectives run over."""
+    groups: dict = {}
+    for s in shards:
+        groups.setdefault((s.axis, s.shard.dtype), []).append(s)
+    return list(groups.values())
 
 
 DDP_BUCKET_BYTES = 25 * 2**20

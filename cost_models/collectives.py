@@ -144,6 +144,35 @@ DistributedDataParallel's default ``bucket_cap_mb``, 25 MiB (spmd.DDP_BUCKET_BYT
 graph_costs.bucketed prices them)."""
 
 
+STEP_BUCKET_ELEMENTS = 40_000_000
+STEP_BUCKET_ELEMENTS_PER_RANK = 1_000_000
+"""Megatron-Core's default gradient bucket, max(40M, 1M x dp) parameters
+(``DistributedDataParallelConfig.bucket_size``, megatron/core/distributed/
+distributed_data_parallel_config.py, v0.7: "larger DP sizes need larger
+buckets to ensure collectives do not become latency-bound")."""
+
+
+def step_bucket_bytes(ranks: int, elem_bytes: int) -> int:
+    """The bucket of a pipeline step's once-per-step gradient reductions and
+    ZeRO-1 gathers over ``ranks`` (spmd.GradAccumulation.reduce): blocking,
+    after the microbatches, so only the calls' latency and the bucket's copy
+    count, and Megatron-Core's size, growing with the group, keeps the
+    ring's (ranks - 1) latencies per call from adding up; a tensor's
+    gradient may straddle two."""
+    return max(STEP_BUCKET_ELEMENTS, STEP_BUCKET_ELEMENTS_PER_RANK * ranks) * elem_bytes
+
+
+def bucketed_time(kind: Collective, nbytes: float, axis: AxisLinks, bucket: float) -> float:
+    """Seconds for ``nbytes`` laid end to end as one flat buffer and cut in
+    ``bucket``-byte pieces, one blocking collective each: the end of a
+    pipeline step's gradient sync and ZeRO-1 gathers (spmd.in_buckets),
+    ceil(nbytes / bucket) calls."""
+    if nbytes <= 0 or axis.size <= 1:
+        return 0.0
+    full, rest = divmod(float(nbytes), float(bucket))
+    return full * collective_time(kind, bucket, axis) + (collective_time(kind, rest, axis) if rest else 0.0)
+
+
 def launch_time(kind: Collective, axis: AxisLinks) -> float:
     """Seconds of a collective that moves (almost) nothing, one byte: its
     call overhead and link latencies, what every call pays whatever it carries."""

@@ -13,7 +13,9 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from autopar.cost_models.cluster import Cluster
-from autopar.cost_models.collectives import BUCKET_BYTES, Collective, axis_links, collective_time, launch_time
+from autopar.cost_models.collectives import (
+    BUCKET_BYTES, Collective, axis_links, collective_time, launch_time, step_bucket_bytes,
+)
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.kernels import FLASH_CAUSAL_WORK, Kernel, flash_attention, matmul_op, stream
 from autopar.cost_models.optimizer import (  # noqa: F401  (OPTIMIZER_PASSES, OPTIMIZER_STATES: re-exported)
@@ -97,10 +99,10 @@ class CostContext:
     offload: bool = True
     """Whether the planner may keep optimizer state on the host (where the
     cluster describes a host: ``can_offload``)."""
-    buckets: bool = True
-    """Whether parameters' gathers and gradient reductions run in buckets
-    (``bucketed``): the flat program's do; a pipeline stage's gradient
-    reductions run once per step, one per parameter (spmd.GradAccumulation)."""
+    stage: bool = False
+    """Pricing a pipeline stage: its parameters' gradient all-reduces run
+    once per step, after the microbatches, in ``step_bucket_bytes`` buckets
+    (spmd.GradAccumulation), not in backward in DDP's (``bucketed``)."""
 
     @property
     def can_offload(self) -> bool:
@@ -108,12 +110,17 @@ class CostContext:
 
     @classmethod
     def make(cls, mesh_shape, cluster: Cluster, optimizer: str = "adamw", precision: str = "fp32",
-             offload: bool = True, buckets: bool = True) -> "CostContext":
+             offload: bool = True, stage: bool = False) -> "CostContext":
         check_optimizer(optimizer)
         if precision not in PRECISIONS:
             raise AutoparError(f"precision {precision!r} is not one of {PRECISIONS}")
         return cls(tuple(mesh_shape), cluster, axis_links(cluster, tuple(mesh_shape)), optimizer, precision,
-                   bool(offload), bool(buckets))
+                   bool(offload), bool(stage))
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes of a floating element in the compute dtype."""
+        return 4 if self.precision == "fp32" else 2
 
     def tensor_bytes(self, meta) -> float:
         """Bytes of a tensor in the compute dtype (floating tensors follow the precision)."""
@@ -581,17 +588,16 @@ def edge_moves(src_spec: tuple, consumer: Strategy, index: int, meta, ctx: CostC
 
 
 def bucket_bytes(graph: Graph, src: str, regather: bool, ctx: CostContext) -> float | None:
-    """The bytes of the bucket a parameter's collectives share, None where
-    they are not bucketed (not a parameter, or ``ctx.buckets`` off): the
-    model's parameters up to ``BUCKET_BYTES`` (the program fills its buckets
+    """The bytes a parameter's collectives share buckets with, None for
+    another value: the model's parameters (the program fills its buckets
     with them in order), a regathered (ZeRO-3) parameter's only its own
-    module's (codegen keeps such buckets within a module, as FSDP2 shards per
-    module)."""
+    module's (codegen keeps such buckets within a module, as FSDP2 shards
+    per module). ``bucketed`` caps them at the bucket's size."""
     node = graph.nodes[src]
-    if not ctx.buckets or node.kind is not NodeKind.PARAM:
+    if node.kind is not NodeKind.PARAM:
         return None
     model, modules = _param_bytes(graph, ctx)
-    return min(float(BUCKET_BYTES), modules[src] if regather else model) or float(BUCKET_BYTES)
+    return (modules[src] if regather else model) or float(BUCKET_BYTES)
 
 
 def _param_bytes(graph: Graph, ctx: CostContext) -> tuple:
@@ -610,7 +616,9 @@ def _param_bytes(graph: Graph, ctx: CostContext) -> tuple:
 def bucketed(moves: list, phase: str, bucket: float | None, ctx: CostContext) -> list:
     """A parameter's moves as the program runs them: its gathers in forward
     and its gradient reductions in backward are each one part of a bucket of
-    ``bucket`` bytes (``bucket_bytes``), one call per bucket. Each pays its
+    ``bucket`` bytes (``bucket_bytes``) up to the program's cap (DDP's
+    ``BUCKET_BYTES``; in a pipeline stage a once-per-step all-reduce's
+    ``step_bucket_bytes``), one call per bucket. Each pays its
     bytes and the share of a call's fixed cost (``launch_time``: call
     overhead and link latencies) that its bytes are of the bucket, so the
     parameters of one bucket pay one call between them: linear in the
@@ -620,7 +628,12 @@ def bucketed(moves: list, phase: str, bucket: float | None, ctx: CostContext) ->
     if bucket is None:
         return moves
     kinds = (Collective.ALL_GATHER,) if phase == "forward" else (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
-    share = lambda m: min(1.0, m.nbytes / bucket)  # noqa: E731
+
+    def share(m) -> float:
+        once = ctx.stage and m.kind is Collective.ALL_REDUCE
+        cap = step_bucket_bytes(ctx.mesh_shape[m.axis], ctx.elem_bytes) if once else BUCKET_BYTES
+        return min(1.0, m.nbytes / min(bucket, cap))
+
     return [replace(m, seconds=m.seconds - launch_time(m.kind, ctx.links[m.axis]) * (1.0 - share(m)))
             if m.kind in kinds else m for m in moves]
 

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from autopar.cost_models import optimizer as opt
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import (
-    BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time,
+    BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time, step_bucket_bytes,
 )
 from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
 from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched
@@ -612,21 +612,32 @@ def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fa
     eager PyTorch as a compiled plan prices them (graph_costs.bucketed), each
     tensor its bytes and its share of a call in a bucket of the stage's
     parameters (``model_bytes``) up to collectives.BUCKET_BYTES (a ZeRO-3
-    kernel's tensors: of their module's bytes, one call between them), and
-    one call per tensor in a pipeline, whose stages reduce each gradient on
-    its own; in GRAD_BUCKET_BYTES buckets where the kernels are Megatron-LM's."""
+    kernel's tensors: of their module's bytes, one call between them); in
+    GRAD_BUCKET_BYTES buckets where the kernels are Megatron-LM's."""
     if plan.kernels is not Kernels.EAGER:
         return _grad_sync(kind, sum(tensors) * e, fabric)
-    if not _bucketed(plan):
-        return sum(fabric.time(kind, k * e, "dp") for k in tensors)
     bucket = min(BUCKET_BYTES, sum(tensors) * e if plan.zero == 3 else model_bytes) or BUCKET_BYTES
     launch = fabric.time(kind, 1.0, "dp")
     return sum(fabric.time(kind, k * e, "dp") - launch * (1.0 - min(1.0, k * e / bucket)) for k in tensors)
 
 
-def _bucketed(plan: TrainingPlan) -> bool:
-    """Whether the program buckets the parameters' collectives: a flat one
-    (one stage, one microbatch) with eager kernels."""
+def _flat_buffer(kind: Collective, nbytes: float, plan: TrainingPlan, fabric: Fabric) -> float:
+    """Seconds for ``nbytes`` as one flat buffer cut in ``step_bucket_bytes``
+    pieces, one blocking collective each (the pipeline runtime's end-of-step
+    sync, spmd.in_buckets; collectives.bucketed_time)."""
+    if nbytes <= 0:
+        return 0.0
+    bucket = step_bucket_bytes(plan.dp * plan.cp, plan.precision.elem_bytes)
+    full, rest = divmod(float(nbytes), float(bucket))
+    return full * fabric.time(kind, bucket, "dp") + (fabric.time(kind, rest, "dp") if rest else 0.0)
+
+
+def _flat_program(plan: TrainingPlan) -> bool:
+    """Whether eager kernels run as autopar's flat program (one stage, one
+    microbatch), which gathers each ZeRO weight where it is used; otherwise
+    as its pipeline runtime, which reduces a stage's gradients after the
+    last microbatch and gathers its ZeRO-1 shards once per step, blocking,
+    in buckets of the flat buffer (``_flat_buffer``)."""
     return plan.kernels is Kernels.EAGER and plan.pp == 1 and plan.microbatches == 1
 
 
@@ -691,7 +702,8 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     gradients cross nodes), and traffic on the same link takes its share of it
     (shared links: tensor-parallel collectives on one node's NVSwitch, or the
     pipeline's transfers between nodes). Without overlap the gradients go in
-    one collective over the whole flat buffer after the backward."""
+    one collective over the whole flat buffer after the backward (in autopar's
+    pipeline runtime, that buffer in ``step_bucket_bytes`` pieces: ``_flat_buffer``)."""
     e = plan.precision.elem_bytes
     if plan.dp * plan.cp == 1:
         return 0.0
@@ -706,8 +718,12 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
         busy_at = [b > 0 for b in bwd]  # other links' collectives stall the compute, not the sync, all along
         bwd = [b + stalled / max(1, sum(busy_at)) * at for b, at in zip(bwd, busy_at)]
         exposed = exposed_sync(syncs, bwd, busy)
+    elif plan.kernels is Kernels.EAGER and not _flat_program(plan):
+        exposed = _flat_buffer(kind, params * e, plan, fabric)
     else:
         exposed = fabric.time(kind, params * e, "dp")
+    if plan.zero in (1, 2) and plan.kernels is Kernels.EAGER and not _flat_program(plan):
+        return exposed + _flat_buffer(Collective.ALL_GATHER, params * e, plan, fabric)  # once per step, in buckets
     if plan.zero in (1, 2) and plan.kernels is Kernels.EAGER:  # each weight gathered where it is used,
         pieces = _param_chain(model, plan, fabric.cluster)[0]  # a recomputed layer's again for it
         again = 2 if plan.recompute is Recompute.FULL else 1

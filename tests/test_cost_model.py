@@ -739,25 +739,45 @@ def test_a_regathered_modules_parameters_share_one_call():
                 bytes_only + launch_time(Collective(kind), links), rel=1e-9)
 
 
-def test_pipeline_stages_price_each_parameters_reduction():
-    """A pipeline stage reduces each gradient once per step on its own (spmd.GradAccumulation): its
-    CostContext has no buckets and the moves keep their whole calls."""
-    from autopar.cost_models.graph_costs import CostContext, bucketed
-    from autopar.cost_models.resharding import Move
-    ctx = CostContext.make((4,), get_cluster("cpu"), buckets=False)
-    move = Move(Collective.ALL_REDUCE, 0, 4096.0, collective_time(Collective.ALL_REDUCE, 4096.0, ctx.links[0]))
-    assert bucketed([move], "backward", None, ctx) == [move]
+def test_pipeline_stages_price_their_once_per_step_reductions_in_buckets():
+    """A pipeline stage reduces its accumulated gradients once per step in buckets
+    (spmd.GradAccumulation.reduce), so the stage ILP prices them as the flat program's: each
+    parameter's all-reduce its bytes and its bytes' share of one call in a bucket of the model's
+    parameters; the small GPT's stages pay one call between them, not one per parameter (on links
+    nearly free, where the stages split their batch over dp)."""
+    from autopar.cost_models.collectives import axis_links, launch_time
+    from autopar.pipeline import compile_pipelined
+    from autopar.runtime import load_factory
+    FAST = "tests/fixtures/fastnet.json"
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    plan = compile_pipelined(model, inputs, mesh="pp=2,dp=2", cluster=FAST, loss_fn=loss, microbatches=4,
+                             schedule="1f1b")
+    once = [c for c in plan.collectives if c["gradient_sync"] and c["per_step"] == 1 and c["kind"] == "all_reduce"]
+    assert len(once) > 8, plan.collectives
+    link = axis_links(get_cluster(FAST), (2, 2))[1]
+    launch = launch_time(Collective.ALL_REDUCE, link)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bytes_only = sum(collective_time(Collective.ALL_REDUCE, c["bytes"], link) - launch for c in once)
+    shares = sum(c["bytes"] for c in once) / model_bytes
+    assert sum(c["seconds"] for c in once) == pytest.approx(bytes_only + launch * shares, rel=1e-9)
+    assert shares <= 1 + 1e-9
 
 
-def test_data_parallelism_outside_a_pipeline_syncs_each_parameter_on_its_own():
-    """The pipeline search prices the replicas' sync as the pipeline runtime runs it (ZeRO-1, `_Zero1`):
-    a reduce-scatter and an all-gather per parameter, each paying its call, not one all-reduce of the
-    stage's gradients; so at 64 replicas across nodes many small tensors cost more than a few large ones."""
-    from autopar.cost_models.collectives import axis_links
+def test_data_parallelism_outside_a_pipeline_syncs_the_stage_in_buckets():
+    """The pipeline search prices the replicas' sync as the pipeline runtime runs it (ZeRO-1,
+    spmd.OptimizerShard): the stage's gradients reduce-scattered and its parameters all-gathered as
+    one flat buffer cut in Megatron-Core's buckets (max(40M, 1M x dp) elements), ceil(bytes / bucket)
+    calls each, however many tensors; larger groups take larger buckets."""
+    from autopar.cost_models.collectives import axis_links, step_bucket_bytes
     from autopar.pipeline.stages import _outer_sync
     link = axis_links(get_cluster("dgx-a100"), (4, 64, 4))[1]
-    sizes = [3e6] * 10 + [5e7] * 2
-    per_parameter = sum(collective_time(Collective.REDUCE_SCATTER, b, link)
-                        + collective_time(Collective.ALL_GATHER, b, link) for b in sizes)
-    assert _outer_sync(sum(sizes), len(sizes), link) == pytest.approx(per_parameter, rel=1e-6)
-    assert _outer_sync(sum(sizes), len(sizes), link) > collective_time(Collective.ALL_REDUCE, sum(sizes), link)
+    bucket = step_bucket_bytes(64, 2)
+    assert bucket == 64e6 * 2 and step_bucket_bytes(8, 4) == 40e6 * 4
+    nbytes = 3.5 * bucket
+    buckets = [bucket] * 3 + [0.5 * bucket]
+    expected = sum(collective_time(Collective.REDUCE_SCATTER, b, link) + collective_time(Collective.ALL_GATHER, b, link)
+                   for b in buckets)
+    assert _outer_sync(nbytes, link, bucket) == pytest.approx(expected, rel=1e-9)
+    assert _outer_sync(nbytes, link, bucket) > collective_time(Collective.ALL_REDUCE, nbytes, link)  # 8 calls, not 1
+    assert _outer_sync(nbytes, link, bucket / 4) > _outer_sync(nbytes, link, bucket)
+    assert _outer_sync(0.0, link, bucket) == 0.0

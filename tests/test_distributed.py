@@ -2,6 +2,7 @@
 against single-device training (loss, every gradient, parameters after 2 AdamW
 steps; relative error 1e-5 or tighter)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -443,3 +444,24 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]
     assert "direct moves: 10 equal DTensor's" in proc.stdout
     assert "flattened groups: 2 as numbered" in proc.stdout
+
+def test_a_pipeline_steps_sync_runs_in_buckets_of_its_flat_gradients():
+    """tests/fixtures/step_buckets.py: at the end of a pipeline step the accumulated gradients are
+    reduced per mesh axis as one flat buffer cut in buckets (spmd.GradAccumulation.reduce), and
+    ZeRO-1's reduce-scatters and gathers likewise (spmd.OptimizerShard): sums and pieces equal those
+    of every rank's gradients gathered whole, padded shards included, with as many collectives as
+    the pipeline search prices (ceil of each axis's bytes over the bucket), at DDP's bucket size and
+    at 40 bytes, where tensors straddle buckets."""
+    proc = torchrun(["tests/fixtures/step_buckets.py"], 4)
+    assert proc.returncode == 0, first_error(proc.stderr) + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "collectives" in line]
+    assert [line.split(":")[0] for line in lines] == ["26214400", "40"], proc.stdout
+    counts = []
+    for line in lines:
+        run, want, gathers, want_gathers, grad, gather = re.search(
+            r"collectives (\d+) expected (\d+), gathers (\d+) expected (\d+), grad err (\S+), gather err (\S+)",
+            line).groups()
+        assert run == want and gathers == want_gathers, line
+        assert float(grad) <= TOL and float(gather) == 0.0, line
+        counts.append((int(run), int(gathers)))
+    assert counts[0] == (3, 1) and counts[1][0] > 3 and counts[1][1] > 1, lines  # small buckets: more calls

@@ -33,7 +33,7 @@ The steps, in order:
    Partial sum is reduced before it is sent (``Cut``). The ILP does not know
    where the cuts fall, and it weighs gradient synchronisation once per
    microbatch; the runtime reduces replicated parameters' gradients once per
-   step (``once_per_step``), and the stage pricing counts them so. When the
+   step, in buckets (``once_per_step``), and the stage pricing counts them so. When the
    planner factors the world, a model with many identical layers is priced on a
    copy truncated to two of them (checked against a three-layer copy) and their
    costs are reused for every layer.

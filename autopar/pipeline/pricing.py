@@ -49,9 +49,6 @@ class LayerCost:
     param_bytes: float = 0.0
     grad_bytes: float = 0.0
     """Gradients (also what data parallelism outside the submesh reduces, ``stages._outer_sync``)."""
-    grad_tensors: float = 0.0
-    """Parameters with a gradient: data parallelism outside the submesh reduces and
-    gathers each on its own (the pipeline runtime's ZeRO-1, ``_Zero1``), a call each."""
     optimizer_bytes: float = 0.0
     """Optimizer states (and fp32 master weights under mixed precision)."""
     sharded_optimizer_bytes: float = 0.0
@@ -233,7 +230,6 @@ def _price(graph: Graph, layers: Layers, chosen: dict, ctx: CostContext, pp_link
         parts = cost.parts
         lc.param_bytes += parts.get("parameters", 0.0)
         lc.grad_bytes += parts.get("gradients", 0.0)
-        lc.grad_tensors += node.kind is NodeKind.PARAM and parts.get("gradients", 0.0) > 0
         lc.optimizer_bytes += parts.get("optimizer", 0.0)
         if node.kind is NodeKind.PARAM:
             axis = zero1_axis(s.output, ms)

@@ -93,8 +93,8 @@ def search_pipeline(model: nn.Module, example_inputs, *, world: int, cluster, lo
     ILP runs on the tp submesh at 1 and 2 sequences per data-parallel rank
     (``MICROBATCH_PER_DP_RANK``; other sizes by affine interpolation of the
     layer costs); dp replicates the pipeline and adds, once per step, a
-    reduce-scatter and an all-gather of each parameter of a stage (its ZeRO-1,
-    ``stages._outer_sync``). ``stages=1`` or a single stage candidate
+    reduce-scatter of a stage's gradients and an all-gather of its
+    parameters, in buckets (its ZeRO-1, ``stages._outer_sync``). ``stages=1`` or a single stage candidate
     is "no pipeline": one microbatch of the whole local batch. ``cache``: a
     plan cache directory (autopar/plancache.py) whose solved layer classes
     answer the stage ILPs solved before. The stage ILPs end by ``deadline``

@@ -7,8 +7,8 @@ from enum import Enum
 
 import numpy as np
 
-from autopar.cost_models.collectives import Collective, collective_time
-from autopar.cost_models.graph_costs import launch_time, optimizer_step_bytes
+from autopar.cost_models.collectives import Collective, bucketed_time, step_bucket_bytes
+from autopar.cost_models.graph_costs import optimizer_step_bytes
 from autopar.cost_models.optimizer import param_bytes, step_seconds
 from autopar.errors import AutoparError
 from autopar.pipeline.pricing import Profile
@@ -271,8 +271,7 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
     compute_of = np.array([lc.fwd_s + lc.bwd_s + (lc.fwd_s if recompute == "full" and lc.recomputable else 0.0)
                            for lc in L])
     chunk_time = []
-    dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, updated=0.0, acts=0.0, work=0.0, sync=0.0,
-                tensors=0.0)
+    dev = [dict(time=0.0, compute=0.0, state=0.0, grads=0.0, params=0.0, updated=0.0, acts=0.0, work=0.0, sync=0.0)
            for _ in range(p)]
     for c, (i, j) in enumerate(ranges):
         r = c % p
@@ -288,11 +287,10 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
         d["acts"] += _in_flight(schedule, p, m, v, r) * float(kept[i:j].sum())
         d["work"] = max(d["work"], float(work[i:j].max()))
         d["sync"] += sum(lc.sync_s for lc in L[i:j])
-        d["tensors"] += sum(lc.grad_tensors for lc in L[i:j])
     memory, parts = [], []
     for d in dev:
         if dp > 1 and dp_link is not None:
-            d["sync"] += _outer_sync(d["grads"], d["tensors"], dp_link)
+            d["sync"] += _outer_sync(d["grads"], dp_link, step_bucket_bytes(dp, prof.ctx.elem_bytes))
         acts = d["acts"] + d["work"]
         temp = _step_temp(prof, d["updated"])
         memory.append(float(_device_memory(d["state"], d["grads"], acts, temp, p)))
@@ -316,15 +314,14 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
                      m * (per_mb - dev[slow]["compute"]) + sync, bubble, sync, flops, prof, optimizer)
 
 
-def _outer_sync(grad_bytes: float, tensors: float, link) -> float:
+def _outer_sync(grad_bytes: float, link, bucket: float) -> float:
     """Seconds of the step's gradient sync over the data-parallel replicas
-    outside the submesh, as the pipeline runtime runs it: each parameter's
-    gradient reduce-scattered and its updated shard all-gathered on its own
-    (ZeRO-1, ``_Zero1``), blocking: the wire time of an all-reduce of all the
-    bytes, and one call's fixed cost (``launch_time``) per collective."""
-    once = collective_time(Collective.ALL_REDUCE, grad_bytes, link) - launch_time(Collective.ALL_REDUCE, link)
-    calls = max(1.0, tensors) * (launch_time(Collective.REDUCE_SCATTER, link) + launch_time(Collective.ALL_GATHER, link))
-    return once + calls
+    outside the submesh, as the pipeline runtime runs it: ZeRO-1
+    (``spmd.OptimizerShard``), the stage's gradients reduce-scattered and
+    its updated shards all-gathered, blocking, each as one flat buffer in
+    ``bucket``-byte pieces (``step_bucket_bytes``, ``spmd.in_buckets``)."""
+    return (bucketed_time(Collective.REDUCE_SCATTER, grad_bytes, link, bucket)
+            + bucketed_time(Collective.ALL_GATHER, grad_bytes, link, bucket))
 
 
 def _schedules(schedule, p: int, m: int, n: int) -> list:
