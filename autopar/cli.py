@@ -110,7 +110,15 @@ def _verify(args) -> int:
     """Launch torchrun on this machine to check a plan against single-device training."""
     from autopar.mesh import parse_mesh
 
+    from autopar.pipeline import Schedule
+    from autopar.verify import RECOMPUTE
+
     n = parse_mesh(args.mesh).size
+    for flag, valid in (("recompute", RECOMPUTE), ("schedule", [s.value for s in Schedule])):
+        for value in (getattr(args, flag) or "").split(",") if getattr(args, flag) else []:
+            if value not in valid:  # before launching n processes that would each refuse it
+                raise SystemExit(f"autopar verify: --{flag} {value!r} is not one of {', '.join(valid)} "
+                                 "(comma-separated to check several)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "autopar.verify",
            args.source, "--mesh", args.mesh, "--cluster", args.cluster, "--steps", str(args.steps),
            "--random-plans", str(args.random_plans)]
@@ -120,6 +128,9 @@ def _verify(args) -> int:
         cmd += ["--tol", str(args.tol)]
     if args.precision != "auto":
         cmd += ["--precision", args.precision]
+    for flag in ("microbatches", "schedule", "recompute"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag}", str(getattr(args, flag))]
     print("$", " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun"), flush=True)
     return subprocess.call(cmd)
 
@@ -211,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "hide a wrong result; float64: cast any model to float64; model: its own dtypes")
     v.add_argument("--tol", type=float, help="relative tolerance (default: 1e-7 in float64, 1e-5 in float32, or "
                    "for a model computing in bfloat16 or float16, torch.testing.assert_close's default for that dtype)")
+    v.add_argument("--microbatches", type=int, help="microbatches of a pipelined plan (a mesh with a pp axis)")
+    v.add_argument("--schedule", help="pipeline schedule(s), comma-separated: gpipe, 1f1b, interleaved-1f1b")
+    v.add_argument("--recompute", help="none, selective, full or auto; comma-separated to check several")
     v.set_defaults(fn=_verify)
     o = sub.add_parser("ops", help="list the ops with a sharding rule, and what each rule splits")
     o.add_argument("query", nargs="?", help="only ops whose name contains this (e.g. lstm, softmax)")

@@ -32,17 +32,12 @@ the same placement.
 * ``state_dict()`` / ``load_state_dict()`` speak full tensors under the
   original names, gathered across the submesh and the stages.
 
-Check a plan against single-device training (what tests/test_pipeline.py runs):
+Check a plan against single-device training (autopar.verify runs pipelined
+plans here; what tests/test_pipeline.py runs):
 
-    torchrun --nproc-per-node 4 -m autopar.pipeline_runtime --check examples/gpt.py:small \\
-        --mesh pp=2,tp=2 --microbatches 4 --schedule 1f1b
+    autopar verify examples/gpt.py:small --mesh pp=2,tp=2 --microbatches 4 --schedule 1f1b
 """
 from __future__ import annotations
-
-import argparse
-import copy
-import json
-import time
 
 import torch
 import torch.distributed as dist
@@ -56,17 +51,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar import rankcheck, spmd
 from autopar.capture import capture
-from autopar.codegen import build_program, load_program, program_source
+from autopar.codegen import build_program, load_program, program_source, same_steps
 from autopar.errors import AutoparError, InputError, LaunchError, PlanError
 from autopar.ir import Graph, Node, NodeKind
-from autopar.mesh import Mesh, parse_mesh
+from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
 from autopar.pipeline import (
     PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, stage_ranges, zero1_axis,
 )
 from autopar.plan import NodePlan, Plan
-from autopar.runtime import in_torchrun, load_factory, relative_error, shard_of, torchrun_command
-from autopar.verify import finish
+from autopar.runtime import in_torchrun, shard_of, torchrun_command
 
 SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
              Schedule.INTERLEAVED: ScheduleInterleaved1F1B}
@@ -298,7 +292,12 @@ def stage_sources(model: nn.Module, plan: Plan, loss_fn=None) -> dict:
 class PipelinedModule(nn.Module):
     """The user's model, running a pipelined ``plan`` on this rank."""
 
-    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None, check_ranks: bool = True):
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device_mesh=None, check_ranks: bool = True,
+                 planned: nn.Module | None = None):
+        """``planned``: the model the plan was compiled for, where ``model``
+        is a copy of it in float64 (autopar.verify checks a float32 plan
+        so): the plan is matched against ``planned``, and ``model`` runs the
+        same steps in its own dtype."""
         super().__init__()
         if plan.pipeline is None:
             raise PlanError("this plan does not pipeline (its 'pipeline' section is null); run it with "
@@ -328,11 +327,18 @@ class PipelinedModule(nn.Module):
 
         # the microbatch graph, sliced as the plan says
         example = tuple(torch.zeros(i["microbatch_shape"], dtype=_dtype(i["dtype"])) for i in plan.inputs)
-        graph = capture(model, example, loss_fn)
+        graph = capture(planned if planned is not None else model, example, loss_fn)
         if graph.fingerprint() != plan.model.get("fingerprint"):
             raise PlanError(f"the plan was compiled for a different model or microbatch shape (fingerprint "
                             f"{plan.model.get('fingerprint')}, this model traces to {graph.fingerprint()}); "
                             "recompile the plan")
+        if planned is not None:
+            wide = tuple(x.double() if x.is_floating_point() else x for x in example)
+            planned_graph, graph = graph, capture(model, wide, loss_fn)
+            same_steps(planned_graph, graph)
+        self._dtypes = {fqn: p.dtype for fqn, p in model.named_parameters(remove_duplicate=False)}
+        out = next(n for n in graph.nodes.values() if n.kind is NodeKind.OUTPUT)
+        self._loss_dtype = graph.nodes[out.inputs[0]].out.dtype  # what the last stage broadcasts
         layers = group_layers(graph)
         ranges = stage_ranges(plan, layers.names)
         by_name = {n.name: n for n in plan.nodes}
@@ -440,7 +446,7 @@ class PipelinedModule(nn.Module):
             self.deferred_reductions = self._accumulation.reduce(self._inner, scatter)
         else:
             self._schedule.eval(target=target, losses=losses, return_outputs=False, **kwargs)
-        value = torch.zeros((), device=self._device)
+        value = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if losses:
             for loss in losses:
                 value = value + loss.detach()
@@ -461,7 +467,7 @@ class PipelinedModule(nn.Module):
         for fqn, info in self.plan.parameters.items():
             owner = self._stage_of[fqn] % self._p
             buf = full[fqn] if owner == self._pp_coord else \
-                torch.empty(info["shape"], dtype=_dtype(info["dtype"]), device=self._device)
+                torch.empty(info["shape"], dtype=self._dtypes[fqn], device=self._device)
             dist.broadcast(buf, group=self._pp_group, group_src=owner)
             out[fqn] = buf
         return out
@@ -484,6 +490,22 @@ class PipelinedModule(nn.Module):
         for key in self._order:
             sd[prefix + key] = full[key] if key in full else self._buffers_full[key]
         return sd
+
+    def describe(self) -> dict:
+        """What the ranks run of the plan, for a check's report (autopar.verify; collective)."""
+        plan, pipe = self.plan, self.plan.pipeline
+        by_name = {n.name: n for n in plan.nodes}
+        by_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(by_rank, sorted(self._local_fqns))
+        return {"schedule": pipe["schedule"], "microbatches": pipe["microbatches"],
+                "virtual_stages": pipe["virtual_stages"], "optimizer_sharding": pipe.get("optimizer_sharding"),
+                "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
+                "programs": {c: src.count("checkpoint") for c, src in self.programs.items()},
+                "send_recv": plan.count(kind="send_recv"),
+                "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh)
+                         for s in pipe["stages"] for n in s.get("sends", [])},
+                "local_parameters_by_rank": by_rank, "deferred_reductions": self.deferred_reductions,
+                "zero1_parameters": sorted(self._zero1)}
 
     def full_gradients(self) -> dict:
         """Every parameter's full gradient, on every rank (for checks; collective)."""
@@ -533,118 +555,3 @@ class _ParamTree(nn.Module):
                 owner = owner._modules[part]
             owner.register_parameter(leaf, prm)
 
-
-# --- the equivalence check (torchrun worker) ---------------------------------------------------
-
-def check(source: str, mesh: str, cluster: str, *, microbatches: int | None, schedule: str | None,
-          recompute: str | None = None, steps: int = 2, lr: float = 1e-3) -> dict:
-    """Train the pipelined plan and the single-device model side by side; relative
-    errors of the loss (per step), every gradient (first step) and the
-    parameters after the last AdamW step (norm-wise over the whole model)."""
-    from autopar.pipeline import compile_pipelined
-
-    model, inputs, loss_fn = load_factory(source)
-    reference = copy.deepcopy(model)
-    mesh_ = parse_mesh(mesh)
-    device_mesh = init_pipeline_mesh(mesh_)
-    t0 = time.perf_counter()
-    box = [None]
-    if dist.get_rank() == 0:
-        plan = compile_pipelined(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
-                                 microbatches=microbatches, schedule=schedule, recompute=recompute, source=source)
-        box = [plan.dumps()]
-    dist.broadcast_object_list(box, src=0)
-    plan = Plan.from_json(json.loads(box[0]))
-    compile_s = time.perf_counter() - t0
-    pmodel = PipelinedModule(model, plan, loss_fn=loss_fn, device_mesh=device_mesh)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    ref_params = dict(reference.named_parameters())
-    report = {"loss": [], "grad": 0.0, "compile_s": compile_s}
-    for step in range(steps):
-        loss = pmodel(*inputs)
-        loss.backward()
-        ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
-        ref_loss.backward()
-        report["loss"].append([loss.item(), ref_loss.item()])
-        if step == 0:
-            grads = pmodel.full_gradients()
-            report["grad_by_name"] = {k: relative_error(g, ref_params[k].grad) for k, g in grads.items()}
-            report["grad"] = max(report["grad_by_name"].values())
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    with torch.no_grad():
-        evaluated = pmodel(*inputs).item()
-        ref_eval = loss_fn(reference(*inputs[:-1]), inputs[-1]).item()
-    report["eval_loss_rel"] = abs(evaluated - ref_eval) / max(abs(ref_eval), 1e-12)
-    state = pmodel.state_dict()
-    ref_state = reference.state_dict()
-    keys = sorted(ref_state)
-    if sorted(state) != keys:
-        raise AutoparError(f"state_dict keys differ from the model's: {sorted(set(state) ^ set(keys))[:5]}")
-    report["param"] = relative_error(torch.cat([state[k].flatten().double() for k in keys]),
-                                     torch.cat([ref_state[k].flatten().double() for k in keys]))
-    report["param_max_abs"] = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in keys)
-    pmodel.load_state_dict(state)
-    report["reload"] = relative_error(torch.cat([pmodel.state_dict()[k].flatten() for k in keys]),
-                                      torch.cat([state[k].flatten() for k in keys]))
-    report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
-    pipe = plan.pipeline
-    by_name = {n.name: n for n in plan.nodes}
-    report["plan"] = {"schedule": pipe["schedule"], "microbatches": pipe["microbatches"],
-                      "recompute": plan.recompute, "programs": {c: src.count("checkpoint")
-                                                                 for c, src in pmodel.programs.items()},
-                      "virtual_stages": pipe["virtual_stages"], "optimizer_sharding": pipe.get("optimizer_sharding"),
-                      "stages": [{"layers": s["layers"], "devices": s["devices"]} for s in pipe["stages"]],
-                      "send_recv": plan.count(kind="send_recv"),
-                      "sent": {n: cut_spec(by_name[n].output_spec, plan.mesh)
-                               for s in pipe["stages"] for n in s.get("sends", [])},
-                      "parameters": {k: v["placements"] for k, v in plan.parameters.items()}}
-    report["local_parameters"] = sorted(pmodel._local_fqns)
-    report["deferred_reductions"] = pmodel.deferred_reductions
-    report["zero1_parameters"] = sorted(pmodel._zero1)
-    return report
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="autopar.pipeline_runtime", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", nargs="+", metavar="FILE.py:FACTORY", required=True,
-                    help="models to train pipelined next to single-device training")
-    ap.add_argument("--mesh", required=True, help="a mesh with a pp axis, e.g. pp=2 or pp=2,tp=2")
-    ap.add_argument("--cluster", default="cpu")
-    ap.add_argument("--microbatches", type=int)
-    ap.add_argument("--schedule", help="schedule(s) to check, comma-separated: " +
-                    ", ".join(s.value for s in Schedule) + " (default: the planner's choice)")
-    ap.add_argument("--recompute", default="none",
-                    help="activation recomputation to check, comma-separated: none, selective, full (default none)")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--tol", type=float, default=1e-5)
-    ap.add_argument("--json", help="write the reports here (rank 0)")
-    args = ap.parse_args(argv)
-    reports = []
-    for source in args.check:
-        for schedule in (args.schedule.split(",") if args.schedule else [None]):
-            for recompute in args.recompute.split(","):
-                if recompute not in ("none", "selective", "full"):
-                    raise SystemExit(f"--recompute {recompute!r}: expected none, selective or full")
-                r = check(source, args.mesh, args.cluster, microbatches=args.microbatches, schedule=schedule,
-                          recompute=recompute, steps=args.steps)
-                reports.append({**r, "source": source, "mesh": args.mesh})
-    ok = all(max(r["loss_rel"], r["grad"], r["param"], r["eval_loss_rel"], r["reload"]) <= args.tol
-             for r in reports)
-    locals_ = [None] * dist.get_world_size()
-    dist.all_gather_object(locals_, [r["local_parameters"] for r in reports])
-    for i, r in enumerate(reports):
-        r["local_parameters_by_rank"] = [x[i] for x in locals_]
-    finish(reports, ok, args.tol, args.json, lambda r: (
-        f"{r['source']} on {r['mesh']} ({r['plan']['schedule']}, {r['plan']['microbatches']} microbatches, "
-        f"recompute {r['plan']['recompute']['mode']}, stages {[s['layers'] for s in r['plan']['stages']]}): "
-        f"loss rel err {r['loss_rel']:.1e}, grad rel err {r['grad']:.1e}, param rel err after {args.steps} AdamW "
-        f"steps {r['param']:.1e} (max abs {r['param_max_abs']:.1e}), eval loss rel err {r['eval_loss_rel']:.1e}"))
-
-
-if __name__ == "__main__":
-    main()

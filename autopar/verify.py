@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.capture import capture
 from autopar.codegen import build_program, load_program, program_source, same_steps
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, InputError
 from autopar.compiler import build_plan, compile as compile_plan
 from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.graph_costs import CostContext
@@ -194,7 +194,12 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     else:
         plan = agreed_plan(lambda: compile_plan(model, inputs, mesh=mesh_, cluster=cluster, loss_fn=loss_fn,
                                                 source=source, **compile_options))
+    pipelined = plan.pipeline is not None
+    if pipelined and local_inputs:
+        raise InputError("--local-inputs: a pipelined plan takes the full global batch on every rank "
+                         "(its first stage splits it into microbatches); leave the flag out")
     traced = graph = capture(model, inputs, loss_fn)
+    planned = None  # the model the plan was compiled for, where the check runs a float64 copy
     draws = random_draws(graph)
     rounding = None
     if precision == "float64" or (precision == "auto" and lowest_precision(graph) == torch.float32):
@@ -209,11 +214,17 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
             warnings.warn(f"checking in the model's own dtypes: {e}", stacklevel=2)
         else:
             rounding = float32_rounding(model, inputs, loss_fn) if lowest_precision(graph) == torch.float32 else None
+            planned = model
             model, inputs, graph = wide_model, wide_inputs, wide_graph
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
-    program = load_program(program_source(build_program(graph, plan, local_inputs, traced=traced), plan))
-    pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh,
-                            local_inputs=local_inputs)
+    if pipelined:  # the stages' programs on torch.distributed.pipelining (autopar/pipeline_runtime.py)
+        from autopar.pipeline_runtime import PipelinedModule, init_pipeline_mesh
+        pmodel = PipelinedModule(model, plan, loss_fn=loss_fn, device_mesh=init_pipeline_mesh(plan.mesh),
+                                 planned=planned)
+    else:
+        program = load_program(program_source(build_program(graph, plan, local_inputs, traced=traced), plan))
+        pmodel = ParallelModule(model, plan, program, loss_fn=loss_fn, device_mesh=device_mesh,
+                                local_inputs=local_inputs)
     run_inputs = inputs
     if local_inputs:
         from autopar.runtime import shard_of
@@ -235,7 +246,8 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
         ref_loss.backward()
         report["loss"].append([loss.item(), ref_loss.item()])
         if step == 0:
-            grads = {fqn: _full_grad(p, pmodel._placements[fqn], device_mesh) for fqn, p in pmodel.named_parameters()}
+            grads = pmodel.full_gradients() if pipelined else \
+                {fqn: _full_grad(p, pmodel._placements[fqn], device_mesh) for fqn, p in pmodel.named_parameters()}
             names = sorted(grads)
             mine = {k: _or_zeros(grads[k], ref_params[k]) for k in names}
             ref = {k: _or_zeros(ref_params[k].grad, ref_params[k]) for k in names}
@@ -257,6 +269,13 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     report["param_max_abs"] = max((state[k].double() - ref_state[k].double()).abs().max().item() for k in keys)
     report["param_by_name"] = {k: _rel(state[k], ref_state[k]) for k in keys}
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
+    if pipelined:  # evaluation (the schedule's forward only) and the full state dict read back in
+        with torch.no_grad():
+            evaluated, ref_eval = _scalar(pmodel(*run_inputs)).item(), _one_device_loss(reference, inputs, loss_fn).item()
+        report["eval_loss_rel"] = abs(evaluated - ref_eval) / max(abs(ref_eval), 1e-12)
+        pmodel.load_state_dict(state)
+        again = pmodel.state_dict()
+        report["reload"] = _rel(torch.cat([again[k].flatten() for k in keys]), torch.cat([state[k].flatten() for k in keys]))
     noise = {k: (mine[k] - ref[k]).abs() for k in names}
     report["param_floor"] = max(_drift(initial, inputs, loss_fn, steps, lr, noise, seed, ref_state, keys)
                                 for seed in (0, 1))
@@ -267,6 +286,8 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
                       "offloaded": [k for k, v in plan.parameters.items() if v.get("offload")],
                       "optimizer": type(opt).__name__,
                       "collectives": len(plan.collectives)}
+    if pipelined:
+        report["plan"]["pipeline"] = pmodel.describe()
     return report
 
 
@@ -333,19 +354,34 @@ def main(argv=None):
     ap.add_argument("--precision", default="auto", choices=PRECISIONS,
                     help="auto (default): check a model that computes in float32 in float64, where rounding cannot "
                     "hide a wrong result; float64: cast any model's floating tensors to float64; model: its own dtypes")
-    ap.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"])
+    ap.add_argument("--recompute", default="auto", help="activation recomputation: auto (default), none, selective "
+                    "or full; comma-separated to check several")
+    ap.add_argument("--microbatches", type=int, help="microbatches of a pipelined plan (a mesh with a pp axis)")
+    ap.add_argument("--schedule", help="pipeline schedule(s) to check, comma-separated: gpipe, 1f1b, "
+                    "interleaved-1f1b (default: the planner's choice)")
     ap.add_argument("--memory", type=float, help="per-device memory budget in bytes")
     ap.add_argument("--no-offload", action="store_true", help="compile without offloading optimizer state")
     ap.add_argument("--json", help="write the report here (rank 0)")
     args = ap.parse_args(argv)
+    recomputes = args.recompute.split(",")
+    for mode in recomputes:
+        if mode not in RECOMPUTE:
+            ap.error(f"--recompute {mode!r}: expected {', '.join(RECOMPUTE)} (comma-separated)")
+    schedules = args.schedule.split(",") if args.schedule else [None]
     reports = []
     for source in args.sources:
         name = source if len(args.sources) > 1 else ""
         for mesh in args.mesh:
-            r = check(source, mesh, args.cluster, args.steps, plan_path=args.plan, local_inputs=args.local_inputs,
-                      tol=args.tol, precision=args.precision, recompute=args.recompute, memory=args.memory,
-                      offload=not args.no_offload)
-            reports.append({**r, "source": source, "mesh": mesh, "label": f"{name} mesh {mesh}, solved plan".strip()})
+            for schedule in schedules:
+                for mode in recomputes:
+                    r = check(source, mesh, args.cluster, args.steps, plan_path=args.plan,
+                              local_inputs=args.local_inputs, tol=args.tol, precision=args.precision, recompute=mode,
+                              memory=args.memory, offload=not args.no_offload, microbatches=args.microbatches,
+                              schedule=schedule)
+                    what = "".join([f", schedule {schedule}" if schedule else "",
+                                    f", recompute {mode}" if len(recomputes) > 1 else ""])
+                    reports.append({**r, "source": source, "mesh": mesh,
+                                    "label": f"{name} mesh {mesh}{what}, solved plan".strip()})
             for seed in range(args.random_plans):
                 r = check(source, mesh, args.cluster, args.steps, random_seed=seed, tol=args.tol,
                           precision=args.precision)
@@ -358,10 +394,15 @@ def main(argv=None):
         + (f"; one device, its gradients off by as much: {r['param_floor']:.1e})" if r["param"] > r["tol"] else ")")))
 
 
+RECOMPUTE = ("auto", "none", "selective", "full")
+
+
 def agrees(r: dict) -> bool:
     """Loss and gradients within the tolerance; the parameters within it or
-    within what the same gradient differences give one device (``_drift``)."""
-    return max(r["loss_rel"], r["grad"]) <= r["tol"] and r["param"] <= max(r["tol"], r["param_floor"])
+    within what the same gradient differences give one device (``_drift``);
+    a pipelined plan's evaluation loss and reloaded state within it too."""
+    return max(r["loss_rel"], r["grad"], r.get("eval_loss_rel", 0.0), r.get("reload", 0.0)) <= r["tol"] \
+        and r["param"] <= max(r["tol"], r["param_floor"])
 
 
 def finish(reports: list, ok: bool, tol: float, json_path: str | None, line) -> None:

@@ -496,3 +496,14 @@ def test_a_factory_returning_the_wrong_tuple(tmp_path):
 def test_a_negative_mesh_axis():
     with pytest.raises(MeshError, match=r"every axis size must be a positive integer"):
         autopar.Mesh((2, -1), ("x", "y"))
+
+
+@pytest.mark.parametrize("flag, value, valid", [("--schedule", "1f1b,zb", "gpipe, 1f1b, interleaved-1f1b"),
+                                                ("--recompute", "some", "auto, none, selective, full")])
+def test_verify_refuses_an_unknown_schedule_or_recomputation_before_launching(capsys, flag, value, valid):
+    """`autopar verify` names the bad value and the valid ones before it starts torchrun."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", "examples/gpt.py:small", "--mesh", "pp=2,tp=2", flag, value])
+    message = str(e.value)
+    assert f"{flag} {value.split(',')[-1]!r}" in message and valid in message, message
+    assert "$ torchrun" not in capsys.readouterr().out  # nothing was launched
