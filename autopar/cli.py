@@ -114,6 +114,12 @@ def _verify(args) -> int:
     from autopar.verify import RECOMPUTE
 
     n = parse_mesh(args.mesh).size
+    if args.plan:
+        from autopar.plan import Plan
+        from autopar.verify import mesh_problem
+        problem = mesh_problem(Plan.load(args.plan), args.mesh)
+        if problem:
+            raise SystemExit(f"autopar verify: {problem}")
     for flag, valid in (("recompute", RECOMPUTE), ("schedule", [s.value for s in Schedule])):
         for value in (getattr(args, flag) or "").split(",") if getattr(args, flag) else []:
             if value not in valid:  # before launching n processes that would each refuse it

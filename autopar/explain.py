@@ -172,6 +172,16 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     from autopar.cost_models.resharding import reads_in_place
     from autopar.passes.enumerate import enumerate_strategies
 
+    if plan.pipeline is not None:
+        inner = [(n, s) for n, s in zip(plan.mesh.names, plan.mesh.shape) if n != "pp"]
+        submesh = ",".join(f"{n}={s}" for n, s in inner) or "1"
+        raise PlanError(
+            f"explain prices a node among its strategies in a plan without a pipeline; this plan pipelines "
+            f"({len(plan.pipeline['stages'])} stages of a {plan.pipeline['microbatches']}-microbatch "
+            f"{plan.pipeline['schedule']} schedule), its nodes planned per stage on the submesh {submesh}: "
+            "`autopar show` gives each stage's layers, time and memory, and `autopar compile "
+            f"{plan.model.get('source') or 'FILE.py:FACTORY'} --mesh {submesh} --pp 1` a flat plan on that submesh "
+            "(for the whole batch, not one microbatch) to explain")
     graph = graph if graph is not None else capture_plan_model(plan, source)
     name, fqn = _resolve(plan, graph, target)
     if name not in graph.nodes:

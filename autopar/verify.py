@@ -175,6 +175,18 @@ def _or_zeros(grad, like):
     return torch.zeros_like(like) if grad is None else grad
 
 
+def mesh_problem(plan: Plan, mesh) -> str | None:
+    """Why ``mesh`` (--mesh) cannot run ``plan``, if it cannot: another shape,
+    or, for a pipelined plan whose axes it names, other names (where ``pp`` is)."""
+    given, want = parse_mesh(mesh), plan.mesh
+    named = isinstance(mesh, str) and "=" in mesh and plan.pipeline is not None
+    if given.shape == want.shape and (not named or given.names == want.names):
+        return None
+    spelled = ",".join(f"{n}={s}" for n, s in zip(want.names, want.shape))
+    return (f"--mesh {mesh} does not match the plan's mesh {spelled} ({want.size} devices): pass --mesh {spelled}, "
+            "or recompile the plan for this mesh")
+
+
 def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, random_seed: int | None = None,
           plan_path: str | None = None, local_inputs: bool = False, tol: float | None = None,
           precision: str = "auto", **compile_options) -> dict:
@@ -189,6 +201,9 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     device_mesh = init_distributed(mesh_.shape, mesh_.names)
     if plan_path:
         plan = Plan.load(plan_path)
+        problem = mesh_problem(plan, mesh)
+        if problem:
+            raise InputError(problem)
     elif random_seed is not None:
         plan = agreed_plan(lambda: random_plan(model, inputs, loss_fn, mesh_, cluster, random_seed))
     else:

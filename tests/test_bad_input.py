@@ -507,3 +507,39 @@ def test_verify_refuses_an_unknown_schedule_or_recomputation_before_launching(ca
     message = str(e.value)
     assert f"{flag} {value.split(',')[-1]!r}" in message and valid in message, message
     assert "$ torchrun" not in capsys.readouterr().out  # nothing was launched
+
+
+def test_explain_says_a_pipelined_plan_is_planned_per_stage(tmp_path):
+    """`autopar explain` on a pipelined plan named the wrong cause ("the model changed since the plan
+    was compiled": it traced the whole batch, the plan the microbatch); it says what it prices and what
+    to run instead."""
+    from autopar.explain import explain
+    from autopar.runtime import load_factory
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    plan = autopar.compile(model, inputs, mesh="pp=2,tp=2", cluster=FASTNET, loss_fn=loss, microbatches=4,
+                           source="examples/gpt.py:small")
+    with pytest.raises(PlanError, match=r"this plan pipelines \(\d+ stages of a 4-microbatch .* on the submesh tp=2.*"
+                                        r"autopar compile examples/gpt.py:small --mesh tp=2 --pp 1"):
+        explain(plan, "blocks.0.attn.q.weight")
+
+
+@pytest.mark.parametrize("mesh", ["4", "2x4"])
+def test_verify_refuses_a_mesh_the_plan_was_not_compiled_for(plan_file, capsys, mesh):
+    """`autopar verify --plan` with another --mesh: the 2x2 plan on a 1-D mesh of 4 failed inside the
+    program ('placement spec ... has 2 placements'), a pipelined one ran under the other mesh's label;
+    now it is refused before launching, naming the mesh to pass."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", "examples/mlp.py:wide", "--mesh", mesh, "--plan", plan_file])
+    assert f"--mesh {mesh} does not match the plan's mesh " in str(e.value) and "pass --mesh " in str(e.value)
+    assert "$ torchrun" not in capsys.readouterr().out
+
+
+def test_verify_refuses_a_pipelined_plan_under_other_axis_names(tmp_path, capsys):
+    """A pipelined plan's axes are named for what they carry: --mesh dp=2,tp=2 does not run pp=2,tp=2."""
+    from autopar.runtime import load_factory
+    model, inputs, loss = load_factory("examples/gpt.py:small")
+    path = str(tmp_path / "pp.json")
+    autopar.compile(model, inputs, mesh="pp=2,tp=2", cluster=FASTNET, loss_fn=loss, microbatches=4).save(path)
+    with pytest.raises(SystemExit, match=r"--mesh dp=2,tp=2 does not match the plan's mesh pp=2,tp=2 \(4 devices\): "
+                                         r"pass --mesh pp=2,tp=2"):
+        cli.main(["verify", "examples/gpt.py:small", "--mesh", "dp=2,tp=2", "--plan", path])
