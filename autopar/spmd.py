@@ -170,7 +170,7 @@ class GradAccumulation:
                 count += reduce_scatter_in_buckets(shards, bucket_bytes or shards[0].bucket_bytes)
                 continue
             for own in shards:  # every rank has the whole gradient already: its piece
-                own.accumulate(own.rows(own.full.grad)[own.index].clone())
+                own.accumulate(own.piece(own.full.grad).clone())
                 own.full.grad = None
         return count
 
@@ -236,14 +236,25 @@ class OptimizerShard:
     def load(self) -> None:
         """Take this rank's piece of ``full`` (after it was written)."""
         with torch.no_grad():
-            self.shard.copy_(self.rows(self.full.detach())[self.index])
+            self.shard.copy_(self.piece(self.full.detach()))
 
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (shaped like the parameter) flat as (n, size): row r is rank r's piece (zero-padded)."""
+    def piece(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``t`` (shaped like the parameter), zero-padded."""
+        return self.columns(t, 0, self.size)[self.index]
+
+    def columns(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Columns ``a:b`` of every rank's piece of ``t`` (shaped like the
+        parameter) as an (n, b - a) tensor, zero-padded past its end: a view
+        where the pieces are whole, else a copy of only those columns."""
         flat = t.reshape(-1)
-        if flat.numel() != self.n * self.size:
-            flat = torch.cat([flat, flat.new_zeros(self.n * self.size - flat.numel())])
-        return flat.view(self.n, self.size)
+        if flat.numel() == self.n * self.size:
+            return flat.view(self.n, self.size)[:, a:b]
+        out = flat.new_zeros(self.n, b - a)
+        for r in range(self.n):
+            lo, hi = r * self.size + a, min(r * self.size + b, flat.numel())
+            if lo < hi:
+                out[r, :hi - lo] = flat[lo:hi]
+        return out
 
     @property
     def bucket_bytes(self) -> int:
@@ -277,11 +288,11 @@ def reduce_scatter_in_buckets(shards: list, bucket_bytes: int) -> int:
     their pieces laid end to end and cut in buckets of ``bucket_bytes`` of
     gradient, one reduce-scatter each; returns the number of collectives."""
     first = shards[0]
-    grads = [s.rows(s.full.grad) for s in shards]
+    grads = [s.full.grad for s in shards]
     mine = [g.new_empty(s.size) for g, s in zip(grads, shards)]
     buckets = in_buckets([s.size for s in shards], max(1, bucket_bytes // (first.n * grads[0].element_size())))
-    for bucket in buckets:
-        rows = torch.cat([grads[i][:, a:b] for i, a, b in bucket], dim=1)
+    for bucket in buckets:  # rank r's row: its columns of each piece in the bucket
+        rows = torch.cat([shards[i].columns(grads[i], a, b) for i, a, b in bucket], dim=1)
         out = rows.new_empty(rows.shape[1])
         torch.distributed.reduce_scatter_tensor(out, rows.reshape(-1), group=first.group)
         offset = 0

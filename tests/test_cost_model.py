@@ -781,3 +781,21 @@ def test_data_parallelism_outside_a_pipeline_syncs_the_stage_in_buckets():
     assert _outer_sync(nbytes, link, bucket) > collective_time(Collective.ALL_REDUCE, nbytes, link)  # 8 calls, not 1
     assert _outer_sync(nbytes, link, bucket / 4) > _outer_sync(nbytes, link, bucket)
     assert _outer_sync(0.0, link, bucket) == 0.0
+
+
+def test_a_pipeline_steps_sync_holds_one_bucket_besides_the_gradients():
+    """The end-of-step sync copies one bucket at a time (spmd.in_buckets), so the stage search charges
+    a device one bucket of its largest sync group (or its gradients, if fewer) next to the optimizer
+    step's temporaries, not a copy of every gradient."""
+    from autopar.cost_models.collectives import step_bucket_bytes
+    from autopar.cost_models.graph_costs import CostContext
+    from autopar.mesh import Mesh
+    from autopar.pipeline.pricing import Profile
+    from autopar.pipeline.stages import _sync_temp
+    cluster = get_cluster("dgx-a100")
+    prof = Profile([], [], set(), Mesh((4,), ("tp",)), 1, ctx=CostContext.make((4,), cluster, precision="bf16"))
+    assert _sync_temp(prof, 1e9, 64) == pytest.approx(step_bucket_bytes(64, 2) * (1 + 1 / 64))
+    assert _sync_temp(prof, 1e7, 64) == pytest.approx(1e7 * (1 + 1 / 64))
+    assert _sync_temp(prof, 1e9, 1) == pytest.approx(step_bucket_bytes(4, 2) * (1 + 1 / 4))  # over tp alone
+    alone = Profile([], [], set(), Mesh((1,), ("tp",)), 1, ctx=prof.ctx)
+    assert _sync_temp(alone, 1e9, 1) == 0.0  # nothing to reduce over

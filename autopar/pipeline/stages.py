@@ -153,6 +153,18 @@ def _step_temp(prof: Profile, param_bytes: float) -> float:
     return optimizer_step_bytes(param_bytes, prof.ctx) if prof.ctx is not None else 0.0
 
 
+def _sync_temp(prof: Profile, grad_bytes, dp: int):
+    """Bytes the end-of-step gradient sync holds besides the gradients: one
+    bucket's flat copy and its reduced piece (``spmd.in_buckets``), of the
+    bucket of the largest group it reduces over (``step_bucket_bytes``), or
+    of the gradients where they are fewer. It runs after the activations
+    are freed and before the optimizer step, so it peaks with neither."""
+    n = max([dp, *prof.submesh.shape])
+    if prof.ctx is None or n <= 1:
+        return 0.0 * grad_bytes
+    return np.minimum(grad_bytes, step_bucket_bytes(n, prof.ctx.elem_bytes)) * (1.0 + 1.0 / n)
+
+
 def _optimizer_s(prof: Profile, updated_bytes: float) -> float:
     """The optimizer step over parameter shards of ``updated_bytes`` (their
     weights), as a flat plan prices it (cost_models/optimizer.step_seconds)."""
@@ -192,7 +204,7 @@ def partition(prof: Profile, chunks: int, *, p: int, m: int, schedule: Schedule,
     S = ps[None, :] - ps[:, None]
     G = pg[None, :] - pg[:, None]
     K = pk[None, :] - pk[:, None]
-    temp = _step_temp(prof, 1.0) * (pp_[None, :] - pp_[:, None])  # optimizer-step temporaries
+    temp = np.maximum(_step_temp(prof, 1.0) * (pp_[None, :] - pp_[:, None]), _sync_temp(prof, G, dp))
     W = np.zeros((n + 1, n + 1))
     for i in range(n):
         W[i, i + 1:] = np.maximum.accumulate(work[i:])
@@ -292,7 +304,7 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
         if dp > 1 and dp_link is not None:
             d["sync"] += _outer_sync(d["grads"], dp_link, step_bucket_bytes(dp, prof.ctx.elem_bytes))
         acts = d["acts"] + d["work"]
-        temp = _step_temp(prof, d["updated"])
+        temp = max(_step_temp(prof, d["updated"]), float(_sync_temp(prof, d["grads"], dp)))
         memory.append(float(_device_memory(d["state"], d["grads"], acts, temp, p)))
         parts.append({"parameters": d["params"], "gradients": d["grads"], "optimizer": d["state"] - d["params"],
                       "activations": acts, "inputs": 0.0, "optimizer_step": temp})
