@@ -109,7 +109,6 @@ def _codegen(args) -> int:
 def _verify(args) -> int:
     """Launch torchrun on this machine to check a plan against single-device training."""
     from autopar.mesh import parse_mesh
-
     from autopar.pipeline import Schedule
     from autopar.verify import RECOMPUTE
 
@@ -121,7 +120,8 @@ def _verify(args) -> int:
         if problem:
             raise SystemExit(f"autopar verify: {problem}")
     for flag, valid in (("recompute", RECOMPUTE), ("schedule", [s.value for s in Schedule])):
-        for value in (getattr(args, flag) or "").split(",") if getattr(args, flag) else []:
+        given = getattr(args, flag)
+        for value in given.split(",") if given else []:
             if value not in valid:  # before launching n processes that would each refuse it
                 raise SystemExit(f"autopar verify: --{flag} {value!r} is not one of {', '.join(valid)} "
                                  "(comma-separated to check several)")

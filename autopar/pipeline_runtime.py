@@ -554,4 +554,3 @@ class _ParamTree(nn.Module):
                     owner.add_module(part, nn.Module())
                 owner = owner._modules[part]
             owner.register_parameter(leaf, prm)
-

@@ -286,11 +286,13 @@ def check(source: str, mesh, cluster: str, steps: int = 2, lr: float = 1e-3, ran
     report["loss_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in report["loss"])
     if pipelined:  # evaluation (the schedule's forward only) and the full state dict read back in
         with torch.no_grad():
-            evaluated, ref_eval = _scalar(pmodel(*run_inputs)).item(), _one_device_loss(reference, inputs, loss_fn).item()
+            evaluated = _scalar(pmodel(*run_inputs)).item()
+            ref_eval = _one_device_loss(reference, inputs, loss_fn).item()
         report["eval_loss_rel"] = abs(evaluated - ref_eval) / max(abs(ref_eval), 1e-12)
         pmodel.load_state_dict(state)
         again = pmodel.state_dict()
-        report["reload"] = _rel(torch.cat([again[k].flatten() for k in keys]), torch.cat([state[k].flatten() for k in keys]))
+        report["reload"] = _rel(torch.cat([again[k].flatten() for k in keys]),
+                                torch.cat([state[k].flatten() for k in keys]))
     noise = {k: (mine[k] - ref[k]).abs() for k in names}
     report["param_floor"] = max(_drift(initial, inputs, loss_fn, steps, lr, noise, seed, ref_state, keys)
                                 for seed in (0, 1))

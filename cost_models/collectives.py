@@ -162,15 +162,21 @@ def step_bucket_bytes(ranks: int, elem_bytes: int) -> int:
     return max(STEP_BUCKET_ELEMENTS, STEP_BUCKET_ELEMENTS_PER_RANK * ranks) * elem_bytes
 
 
-def bucketed_time(kind: Collective, nbytes: float, axis: AxisLinks, bucket: float) -> float:
+def flat_buffer_time(seconds_of, nbytes: float, bucket: float) -> float:
     """Seconds for ``nbytes`` laid end to end as one flat buffer and cut in
-    ``bucket``-byte pieces, one blocking collective each: the end of a
-    pipeline step's gradient sync and ZeRO-1 gathers (spmd.in_buckets),
-    ceil(nbytes / bucket) calls."""
-    if nbytes <= 0 or axis.size <= 1:
+    ``bucket``-byte pieces, one blocking collective each (``seconds_of``:
+    one collective's seconds for its bytes): the end of a pipeline step's
+    gradient sync and ZeRO-1 gathers (spmd.in_buckets), ceil(nbytes /
+    bucket) calls."""
+    if nbytes <= 0:
         return 0.0
     full, rest = divmod(float(nbytes), float(bucket))
-    return full * collective_time(kind, bucket, axis) + (collective_time(kind, rest, axis) if rest else 0.0)
+    return full * seconds_of(bucket) + (seconds_of(rest) if rest else 0.0)
+
+
+def bucketed_time(kind: Collective, nbytes: float, axis: AxisLinks, bucket: float) -> float:
+    """``flat_buffer_time`` of collectives over ``axis``."""
+    return flat_buffer_time(lambda b: collective_time(kind, b, axis), nbytes, bucket)
 
 
 def launch_time(kind: Collective, axis: AxisLinks) -> float:

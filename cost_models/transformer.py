@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from autopar.cost_models import optimizer as opt
 from autopar.cost_models.cluster import Cluster
 from autopar.cost_models.collectives import (
-    BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time, step_bucket_bytes,
+    BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time, flat_buffer_time,
+    step_bucket_bytes,
 )
 from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
 from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched
@@ -624,12 +625,9 @@ def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fa
 def _flat_buffer(kind: Collective, nbytes: float, plan: TrainingPlan, fabric: Fabric) -> float:
     """Seconds for ``nbytes`` as one flat buffer cut in ``step_bucket_bytes``
     pieces, one blocking collective each (the pipeline runtime's end-of-step
-    sync, spmd.in_buckets; collectives.bucketed_time)."""
-    if nbytes <= 0:
-        return 0.0
-    bucket = step_bucket_bytes(plan.dp * plan.cp, plan.precision.elem_bytes)
-    full, rest = divmod(float(nbytes), float(bucket))
-    return full * fabric.time(kind, bucket, "dp") + (fabric.time(kind, rest, "dp") if rest else 0.0)
+    sync, spmd.in_buckets), priced on the fabric's dp link."""
+    return flat_buffer_time(lambda b: fabric.time(kind, b, "dp"), nbytes,
+                            step_bucket_bytes(plan.dp * plan.cp, plan.precision.elem_bytes))
 
 
 def _flat_program(plan: TrainingPlan) -> bool:
