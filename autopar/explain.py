@@ -19,7 +19,7 @@ import argparse
 import difflib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch.distributed.tensor import Shard
 
@@ -99,6 +99,8 @@ class Explanation:
     """For a parameter: (seconds of all parameter-gradient syncs of the step,
     seconds of them left exposed after backward, whether the cluster
     overlaps them with backward), from the plan's prediction."""
+    stage: str = ""
+    """For a pipelined plan: the submesh its stages' nodes were planned on."""
 
     @property
     def chosen(self) -> Candidate:
@@ -110,7 +112,8 @@ class Explanation:
 
 
 def capture_plan_model(plan: Plan, source: str | None = None):
-    """The plan's model captured again, checked against the plan's fingerprint.
+    """The plan's model captured again, checked against the plan's fingerprint
+    (a pipelined plan's: of one microbatch, what its stages were planned on).
 
     ``source`` overrides ``plan.model["source"]`` (FILE.py:FACTORY), e.g. when
     the plan was compiled from another directory."""
@@ -126,12 +129,34 @@ def capture_plan_model(plan: Plan, source: str | None = None):
         raise PlanError(f"the plan's model {source!r} is not found from {os.getcwd()}: run from the directory "
                         "the plan was compiled in, or pass --source FILE.py:FACTORY")
     model, inputs, loss_fn = load_factory(source)
+    if plan.pipeline is not None:
+        import torch
+        inputs = tuple(torch.zeros(i["microbatch_shape"], dtype=getattr(torch, i["dtype"].replace("torch.", "")))
+                       for i in plan.inputs)
     graph = capture(model, inputs, loss_fn)
     want = plan.model.get("fingerprint")
     if want and graph.fingerprint() != want:
         raise PlanError(f"{source} now traces to a different graph (fingerprint {graph.fingerprint()}, the plan "
                         f"has {want}): the model changed since the plan was compiled; recompile it")
     return graph
+
+
+def _per_stage(plan: Plan, graph, source: str | None) -> tuple:
+    """(a pipelined plan as its stages' ILP solved it, the microbatch graph):
+    every node's placements on the stage submesh (the pp axis dropped; a
+    pp-only mesh's stages run on one device), without the pipeline."""
+    from autopar.mesh import Mesh
+    from autopar.pipeline.planfile import PP_AXIS, inner_spec
+    mesh = plan.mesh
+    graph = graph if graph is not None else capture_plan_model(plan, source)
+    inner = [(n, s) for n, s in zip(mesh.names, mesh.shape) if n != PP_AXIS] or [("tp", 1)]
+    sub = Mesh(tuple(s for _, s in inner), tuple(n for n, _ in inner))
+
+    def on(spec: str) -> str:
+        return inner_spec(spec, mesh) if mesh.ndim > 1 else "R"
+    nodes = [replace(n, input_specs=[on(x) for x in n.input_specs], output_spec=on(n.output_spec),
+                     item_specs=[on(x) for x in n.item_specs]) for n in plan.nodes]
+    return replace(plan, mesh=sub, nodes=nodes, pipeline=None), graph
 
 
 def _resolve(plan: Plan, graph, target: str) -> tuple[str, str | None]:
@@ -172,28 +197,23 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     from autopar.cost_models.resharding import reads_in_place
     from autopar.passes.enumerate import enumerate_strategies
 
-    if plan.pipeline is not None:
-        inner = [(n, s) for n, s in zip(plan.mesh.names, plan.mesh.shape) if n != "pp"]
-        submesh = ",".join(f"{n}={s}" for n, s in inner) or "1"
-        raise PlanError(
-            f"explain prices a node among its strategies in a plan without a pipeline; this plan pipelines "
-            f"({len(plan.pipeline['stages'])} stages of a {plan.pipeline['microbatches']}-microbatch "
-            f"{plan.pipeline['schedule']} schedule), its nodes planned per stage on the submesh {submesh}: "
-            "`autopar show` gives each stage's layers, time and memory, and `autopar compile "
-            f"{plan.model.get('source') or 'FILE.py:FACTORY'} --mesh {submesh} --pp 1` a flat plan on that submesh "
-            "(for the whole batch, not one microbatch) to explain")
+    stage = plan.pipeline is not None
+    if stage:  # priced as the stages' ILP priced it: per microbatch, on the submesh
+        plan, graph = _per_stage(plan, graph, source)
     graph = graph if graph is not None else capture_plan_model(plan, source)
     name, fqn = _resolve(plan, graph, target)
     if name not in graph.nodes:
         raise PlanError(f"node {name!r} of the plan is not in the captured model; recompile the plan")
     mesh = plan.mesh
     strategies, _ = enumerate_strategies(graph, mesh.shape)
+    if stage:  # what a stage may choose (planner.prepare, stage=True)
+        strategies = {n: [s for s in ss if not (s.regather or s.offload)] for n, ss in strategies.items()}
     kwargs = {}
     precision = plan.predicted.get("precision")
     if precision and precision != "fp32":
         kwargs["precision"] = precision
     optimizer = plan.predicted.get("optimizer") or plan.model.get("optimizer") or "adamw"
-    ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), optimizer, **kwargs)
+    ctx = CostContext.make(mesh.shape, Cluster.from_json(plan.cluster), optimizer, stage=stage, **kwargs)
     grad = needs_grad(graph)
     kept_share, read = kept_outputs(graph)
     planned = {n.name: n for n in plan.nodes}
@@ -227,7 +247,7 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     candidates = []
     for s in strategies[name]:
         f, b = node_compute(node, s, ctx, name in grad)
-        f += optimizer_time(node, s, ctx)  # parameters: the update of this shard
+        f += 0.0 if stage else optimizer_time(node, s, ctx)  # parameters: the update of this shard (a stage's: once a step)
         transfers = _transfers(name, "in", name, *op_moves(node, s, ctx, name in grad), mesh.names, [], True)
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         mine: set = set()  # reshards of its inputs this candidate pays for
@@ -290,7 +310,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     sync = (pred.get("grad_sync_s", 0.0), pred.get("grad_sync_exposed_s", 0.0),
             bool((plan.cluster or {}).get("overlap_grad_sync", True))) if fqn else None
     return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget,
-                       sync)
+                       None if stage else sync,
+                       ",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)) if stage else "")
 
 
 def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, shared_with: list,
@@ -326,9 +347,16 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
         more = f", ... {len(e.consumers) - 8} more" if len(e.consumers) > 8 else ""
         out.append("  consumed by: " + ", ".join(f"{n} (takes {s})" for n, s in shown) + more)
     n = len(e.candidates)
-    out.append(f"{n} candidate strateg{'y' if n == 1 else 'ies'}, each priced with its neighbours as planned "
-               "(compute fwd+bwd and, for a parameter, its optimizer update; resharding fwd+bwd on its edges, "
-               "gradient sync at full time, though the plan may hide it under backward compute):")
+    if e.stage:
+        out.append(f"  pipelined: priced as its stage's ILP priced it, one microbatch on the submesh {e.stage} "
+                   "(a parameter's gradient sync and update run once a step, after the microbatches)")
+        out.append(f"{n} candidate strateg{'y' if n == 1 else 'ies'}, each priced with its neighbours as planned "
+                   "(compute fwd+bwd; resharding fwd+bwd on its edges, a parameter's gradient sync its share "
+                   "of the step's buckets):")
+    else:
+        out.append(f"{n} candidate strateg{'y' if n == 1 else 'ies'}, each priced with its neighbours as planned "
+                   "(compute fwd+bwd and, for a parameter, its optimizer update; resharding fwd+bwd on its edges, "
+                   "gradient sync at full time, though the plan may hide it under backward compute):")
     rows = []
     shown = e.candidates[:limit]
     if not any(c.chosen for c in shown):

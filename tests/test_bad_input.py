@@ -509,20 +509,6 @@ def test_verify_refuses_an_unknown_schedule_or_recomputation_before_launching(ca
     assert "$ torchrun" not in capsys.readouterr().out  # nothing was launched
 
 
-def test_explain_says_a_pipelined_plan_is_planned_per_stage(tmp_path):
-    """`autopar explain` on a pipelined plan named the wrong cause ("the model changed since the plan
-    was compiled": it traced the whole batch, the plan the microbatch); it says what it prices and what
-    to run instead."""
-    from autopar.explain import explain
-    from autopar.runtime import load_factory
-    model, inputs, loss = load_factory("examples/gpt.py:small")
-    plan = autopar.compile(model, inputs, mesh="pp=2,tp=2", cluster=FASTNET, loss_fn=loss, microbatches=4,
-                           source="examples/gpt.py:small")
-    with pytest.raises(PlanError, match=r"this plan pipelines \(\d+ stages of a 4-microbatch .* on the submesh tp=2.*"
-                                        r"autopar compile examples/gpt.py:small --mesh tp=2 --pp 1"):
-        explain(plan, "blocks.0.attn.q.weight")
-
-
 @pytest.mark.parametrize("mesh", ["4", "2x4"])
 def test_verify_refuses_a_mesh_the_plan_was_not_compiled_for(plan_file, capsys, mesh):
     """`autopar verify --plan` with another --mesh: the 2x2 plan on a 1-D mesh of 4 failed inside the

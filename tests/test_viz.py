@@ -609,6 +609,29 @@ def test_explain_does_not_charge_a_reshard_another_consumer_runs_anyway(gpt_plan
     assert "which the plan runs anyway: not counted" in str(free[0])
 
 
+def test_explain_prices_a_pipelined_plans_nodes_as_their_stage_did(tmp_path):
+    """A pipelined plan's nodes were solved per stage, one microbatch on the
+    submesh without the pp axis; explain prices them so (it refused them,
+    and before that blamed a changed model): every node's chosen candidate is
+    its planned strategy, at the plan's compute and the plan's collectives on
+    its edges, all but the sends between stages, which no node chooses."""
+    fastnet = os.path.join(ROOT, "tests", "fixtures", "fastnet.json")
+    source = f"{ROOT}/examples/gpt.py:small"
+    model, inputs, loss_fn = load_factory(source)
+    plan = autopar.compile(model, inputs, mesh="pp=2,tp=2", cluster=fastnet, loss_fn=loss_fn, microbatches=4,
+                           source=source)
+    assert plan.pipeline and any("S(" in n.strategy for n in plan.nodes), "the stages split something over tp"
+    graph = capture_plan_model(plan)  # the microbatch's graph, checked against the plan's fingerprint
+    for node in plan.nodes:
+        e = explain_node(plan, node.name, graph=graph)
+        assert e.stage == "tp=2" and e.chosen.compute_s == pytest.approx(node.compute_s), node.name
+        listed = [c for c in plan.collectives if c["producer"] == node.name and c["kind"] != "send_recv"]
+        assert e.chosen.comm_out_s == pytest.approx(sum(c["seconds"] for c in listed), abs=1e-15), node.name
+    text = explain(plan, "blocks.0.attn.q.weight", graph=graph)
+    assert "pipelined: priced as its stage's ILP priced it, one microbatch on the submesh tp=2" in text
+    assert "gradient sync: under the backward" not in text  # a stage syncs once a step, after the microbatches
+
+
 def test_explain_unknown_target_suggests_close_names(mlp_plans, tmp_path, capsys):
     plan, _ = mlp_plans
     with pytest.raises(AutoparError, match="did you mean .*layers.0.weight"):
