@@ -45,6 +45,10 @@ from autopar.passes.rules.experts import dispatch_axes
 from autopar.passes.rules.indexing import routed_axes
 from autopar.passes.strategy import parse_spec
 
+# torch 2.13 renamed these two and warns on the old names (FutureWarning, once per rank)
+_all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+
 _state = threading.local()
 
 
@@ -278,7 +282,7 @@ class OptimizerShard:
     def full_grad(self) -> torch.Tensor:
         """The reduced gradient of the whole local parameter (collective; for checks)."""
         flat = self.shard.grad.new_empty(self.n * self.size)
-        torch.distributed.all_gather_into_tensor(flat, self.shard.grad.detach(), group=self.group)
+        _all_gather(flat, self.shard.grad.detach(), group=self.group)
         return flat[:self.full.numel()].view_as(self.full)
 
 
@@ -294,7 +298,7 @@ def reduce_scatter_in_buckets(shards: list, bucket_bytes: int) -> int:
     for bucket in buckets:  # rank r's row: its columns of each piece in the bucket
         rows = torch.cat([shards[i].columns(grads[i], a, b) for i, a, b in bucket], dim=1)
         out = rows.new_empty(rows.shape[1])
-        torch.distributed.reduce_scatter_tensor(out, rows.reshape(-1), group=first.group)
+        _reduce_scatter(out, rows.reshape(-1), group=first.group)
         offset = 0
         for i, a, b in bucket:
             mine[i][a:b] = out[offset:offset + b - a]
@@ -316,7 +320,7 @@ def all_gather_in_buckets(shards: list, bucket_bytes: int) -> int:
         for bucket in buckets:
             flat = torch.cat([shards[i].shard.detach()[a:b] for i, a, b in bucket])
             out = flat.new_empty(first.n * flat.numel())
-            torch.distributed.all_gather_into_tensor(out, flat, group=first.group)
+            _all_gather(out, flat, group=first.group)
             rows, offset = out.view(first.n, -1), 0
             for i, a, b in bucket:
                 shards[i].write(rows[:, offset:offset + b - a], a, b)
@@ -578,7 +582,7 @@ def _nested(local: torch.Tensor, mesh, a: int, b: int, s, d) -> torch.Tensor | N
     n = mesh.size(a)
     if isinstance(s, Shard) and isinstance(d, Replicate):
         gathered = local.new_empty(n * local.numel())
-        torch.distributed.all_gather_into_tensor(gathered, local.reshape(-1), group=mesh.get_group(a))
+        _all_gather(gathered, local.reshape(-1), group=mesh.get_group(a))
         mine = torch.empty_like(gathered)
         torch.distributed.all_to_all_single(mine, gathered, group=mesh.get_group(b))
         return torch.cat(mine.view(n, *local.shape).unbind(0), dim=s.dim)
@@ -587,7 +591,7 @@ def _nested(local: torch.Tensor, mesh, a: int, b: int, s, d) -> torch.Tensor | N
         routed = torch.empty_like(rows, memory_format=torch.contiguous_format)
         torch.distributed.all_to_all_single(routed.view(-1), rows.view(-1), group=mesh.get_group(b))
         out = rows.new_empty(rows[0].numel())
-        torch.distributed.reduce_scatter_tensor(out, routed.view(-1), group=mesh.get_group(a))
+        _reduce_scatter(out, routed.view(-1), group=mesh.get_group(a))
         return out.view(rows.shape[1:])
     return None
 
@@ -701,13 +705,13 @@ class _GatherOver(torch.autograd.Function):
         ctx.group = group
         n = torch.distributed.get_world_size(group)
         out = t.new_empty(n * t.numel())
-        torch.distributed.all_gather_into_tensor(out, t.reshape(-1), group=group)
+        _all_gather(out, t.reshape(-1), group=group)
         return out.view(n, *t.shape)
 
     @staticmethod
     def backward(ctx, grad):
         mine = grad.new_empty(grad[0].numel())
-        torch.distributed.reduce_scatter_tensor(mine, grad.reshape(-1), group=ctx.group)
+        _reduce_scatter(mine, grad.reshape(-1), group=ctx.group)
         return mine.view(grad.shape[1:]), None
 
 
@@ -775,7 +779,7 @@ def _gather(shards, mesh, axis: int, dims) -> tuple:
     n = mesh.size(axis)
     flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
     out = flat.new_empty(n * flat.numel())
-    torch.distributed.all_gather_into_tensor(out, flat, group=mesh.get_group(axis))
+    _all_gather(out, flat, group=mesh.get_group(axis))
     parts, fulls, offset = out.view(n, -1), [], 0
     for s, d in zip(shards, dims):
         pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
@@ -797,7 +801,7 @@ def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple
     blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)]
     rows = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
     mine = rows.new_empty(rows.shape[1])
-    torch.distributed.reduce_scatter_tensor(mine, rows.reshape(-1), group=mesh.get_group(axis))
+    _reduce_scatter(mine, rows.reshape(-1), group=mesh.get_group(axis))
     out, offset = [], 0
     for shape in shapes:
         k = math.prod(shape)
@@ -921,7 +925,7 @@ def _gather_ahead(note: _Note):
         return lambda: _redistribute(note.source.detach(), note.mesh, *note.move, True)  # parameters divide
     shard, d, n = note.source.detach(), src[a].dim, note.mesh.size(a)
     out = shard.new_empty(n * shard.numel())
-    work = torch.distributed.all_gather_into_tensor(out, shard.reshape(-1), group=note.mesh.get_group(a),
+    work = _all_gather(out, shard.reshape(-1), group=note.mesh.get_group(a),
                                                     async_op=True)
 
     def finish() -> torch.Tensor:

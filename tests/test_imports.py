@@ -105,3 +105,21 @@ def test_no_import_cycle():
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_every_module_imports(name):
     importlib.import_module(name)
+
+
+def test_no_module_calls_a_collective_torch_deprecates():
+    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor
+    (a FutureWarning on every rank of every run); autopar calls what replaces
+    them, where this torch has it."""
+    import re
+    import warnings
+
+    import torch.distributed as dist
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # reading dist.reduce_op warns
+        deprecated = {n for n in dir(dist) if getattr(getattr(dist, n), "__deprecated__", None)}
+    assert "all_gather_into_tensor" in deprecated or not hasattr(dist, "all_gather_single")
+    calls = {(path.name, name) for path in modules().values()
+             for name in re.findall(r"(?:torch\.distributed|\bdist)\.(\w+)\(", path.read_text())
+             if name in deprecated}
+    assert not calls, f"calls to deprecated torch.distributed functions: {sorted(calls)}"
