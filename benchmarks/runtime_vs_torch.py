@@ -26,11 +26,17 @@ equivalent is built from the same initial weights:
 Each row also gives the plain model's step on one device (rank 0, the whole
 batch, while the others wait).
 
-The two steps (forward, backward, AdamW) alternate, each after a barrier,
-autopar first on even steps; a step's time is the slowest rank's. The table
-gives medians over ``--steps`` steps after warm-up, their ratio, and the
-plan's predicted step. On a shared machine read the ratios, not the
-milliseconds.
+autopar's program returns the loss of the whole batch (one device's loss);
+a hand-written step over a split batch returns its rank's. ``hand+loss``
+is the hand-written step that reports the whole batch's loss too, as a user
+logging it writes: an asynchronous all-reduce of the loss launched in
+forward, waited for after backward, as autopar's is; its ratio compares like
+with like.
+
+The steps (forward, backward, AdamW) rotate, each after a barrier; a step's
+time is the slowest rank's. The table gives medians over ``--steps`` steps
+after warm-up, the ratios, and the plan's predicted step. On a shared
+machine read the ratios, not the milliseconds.
 """
 from __future__ import annotations
 
@@ -210,10 +216,35 @@ def autopar_step(model, inputs, loss_fn, device_mesh, pins, input_pins, mesh: st
     return plan, pmodel, lambda: pmodel(*inputs)
 
 
+PENDING: list = []
+"""All-reduces of a reported loss, launched in forward, waited for after backward."""
+
+
+def global_loss(step, device_mesh, input_pins):
+    """The hand-written step returning the loss of the whole batch, as
+    autopar's program does: its local loss averaged over the ranks the batch
+    is split across, by an all-reduce launched asynchronously and waited for
+    after backward (None where the batch is not split: its loss is whole)."""
+    axes = [a for a, p in enumerate(input_pins[0]) if p != "R"]
+    if not axes:
+        return None
+    (axis,) = axes
+    group = device_mesh.get_group(axis)
+
+    def run():
+        loss = step()
+        total = loss.detach() / dist.get_world_size(group)
+        PENDING.append(dist.all_reduce(total, group=group, async_op=True))
+        return loss
+    return run
+
+
 def timed(step, opt) -> float:
     dist.barrier()
     t = time.perf_counter()
     step().backward()
+    while PENDING:
+        PENDING.pop().wait()
     opt.step()
     opt.zero_grad()
     return time.perf_counter() - t
@@ -226,20 +257,22 @@ def one_device(model, inputs, loss_fn):
     return lambda: loss_fn(model(*inputs[:-1]), inputs[-1])
 
 
-def profiled(name: str, plan, step, opt, steps: int = 5) -> None:
-    """Rank 0's autopar step under torch.profiler: the ops that take the most
-    self time (spmd's autograd functions hold their collectives' waits), next
-    to the plan's predicted split of the step."""
+def profiled(name: str, plan, steps_: tuple, opts: list, hand_name: str, steps: int = 5) -> None:
+    """Rank 0's autopar step and its hand-written equivalent under
+    torch.profiler: the ops that take the most self time (spmd's autograd
+    functions hold their collectives' waits), next to the plan's predicted
+    split of the step."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            timed(step, opt)
-    if dist.get_rank() == 0:
-        p = plan.predicted
-        print(f"\n{name}: {steps} autopar steps on rank 0; predicted per step: compute {p['compute_s'] * 1e3:.1f} ms, "
-              f"communication {p['comm_s'] * 1e3:.1f} ms, optimizer {p['optimizer_s'] * 1e3:.1f} ms, step "
-              f"{p['step_time_s'] * 1e3:.1f} ms")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    for label, step, opt in (("autopar", steps_[0], opts[0]), (hand_name, steps_[1], opts[1])):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                timed(step, opt)
+        if dist.get_rank() == 0:
+            p = plan.predicted
+            print(f"\n{name}: {steps} {label} steps on rank 0; autopar's predicted step: compute "
+                  f"{p['compute_s'] * 1e3:.1f} ms, communication {p['comm_s'] * 1e3:.1f} ms, optimizer "
+                  f"{p['optimizer_s'] * 1e3:.1f} ms, step {p['step_time_s'] * 1e3:.1f} ms")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, profile: bool = False) -> dict:
@@ -252,22 +285,27 @@ def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, pro
         raise SystemExit(f"{name}: the pinned plan is not the family it benchmarks: "
                          f"{ {k: (v['placements'], v.get('zero_stage')) for k, v in plan.parameters.items()} }")
     theirs_module, theirs = hand(twin, device_mesh, inputs, loss_fn)
-    steps_ = (ours, theirs, one_device(alone, inputs, loss_fn))
+    reported = global_loss(theirs, device_mesh, input_pins)
+    steps_ = (ours, theirs, one_device(alone, inputs, loss_fn), reported)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (pmodel, theirs_module, alone)]
-    times: list[list[float]] = [[], [], []]
+    opts.append(opts[1])  # the same hand-written model, reporting its loss
+    times: list[list[float]] = [[], [], [], []]
+    rotations = ((0, 1, 3), (1, 3, 0), (3, 0, 1)) if reported else ((0, 1), (1, 0))
     for i in range(warmup + steps):
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        for k in (*order, 2):
+        for k in (*rotations[i % len(rotations)], 2):
             t = timed(steps_[k], opts[k])
             if i >= warmup:
                 times[k].append(t)
+    if not reported:
+        times[3] = times[1]  # its loss is the whole batch's already
     if profile:
-        profiled(name, plan, ours, opts[0])
+        profiled(name, plan, steps_, opts, hand_name)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    a, b, one = (statistics.median(row) for row in slowest.tolist())
+    a, b, one, c = (statistics.median(row) for row in slowest.tolist())
     return {"case": name, "mesh": mesh, "hand": hand_name, "autopar_ms": a * 1e3, "hand_ms": b * 1e3,
-            "ratio": a / b, "one_device_ms": one * 1e3, "predicted_ms": plan.predicted["step_time_s"] * 1e3}
+            "ratio": a / b, "hand_loss_ms": c * 1e3, "ratio_loss": a / c, "one_device_ms": one * 1e3,
+            "predicted_ms": plan.predicted["step_time_s"] * 1e3}
 
 
 def main():
@@ -286,10 +324,11 @@ def main():
     rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster, args.profile) for c in args.cases.split(",")]
     if dist.get_rank() == 0:
         print(f"{'case':<9} {'mesh':<4} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} "
-              f"{'predicted ms':>12} {'one device ms':>13}")
+              f"{'hand+loss ms':>12} {'ratio':>6} {'predicted ms':>12} {'one device ms':>13}")
         for r in rows:
             print(f"{r['case']:<9} {r['mesh']:<4} {r['hand']:<46} {r['autopar_ms']:>10.1f} {r['hand_ms']:>8.1f} "
-                  f"{r['ratio']:>5.2f}x {r['predicted_ms']:>12.1f} {r['one_device_ms']:>13.1f}")
+                  f"{r['ratio']:>5.2f}x {r['hand_loss_ms']:>12.1f} {r['ratio_loss']:>5.2f}x {r['predicted_ms']:>12.1f} "
+                  f"{r['one_device_ms']:>13.1f}")
     shutdown(exit_code=0)
 
 
