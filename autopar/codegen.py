@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import spmd
+from autopar.cost_models.collectives import BUCKET_BYTES
 from autopar.capture import is_size
 from autopar.errors import AutoparError, PlanError
 from autopar.ir import Graph, NodeKind
@@ -47,7 +48,7 @@ bucket of sharded parameters and reduce-scatters their gradients in backward.
 `autopar_spmd_param(w, spec, axes)` leaves the all-reduce of a parameter's
 gradient over `axes` (those that replicate it where its uses split their
 work; elsewhere each rank has the whole gradient) to buckets launched while
-backward runs, waited for at its end (autopar.spmd.GradSync); `autopar_spmd_output` of a partial sum
+backward runs, waited for at its end (autopar.gradsync.GradSync); `autopar_spmd_output` of a partial sum
 (the loss) all-reduces it without waiting there. Predicted step time
 {step:.3g} s, peak memory {mem:.3g} GiB per device.
 """
@@ -224,7 +225,7 @@ class _Gradients:
 
     def _buckets(self) -> None:
         """Consecutive gathers over the same axes (same dtype, ZeRO stage) into
-        buckets of up to ``spmd.DDP_BUCKET_BYTES`` gathered, where the
+        buckets of up to ``BUCKET_BYTES`` gathered, where the
         gradient comes back as the bucket's reduce-scatters would give it: a
         partial sum over the axes, placed as the shard elsewhere. A ZeRO-2
         copy lives until backward wherever it is gathered; a ZeRO-3 one is
@@ -239,7 +240,7 @@ class _Gradients:
                 continue
             whole = tuple(a for a in axes if isinstance(back[a], Replicate))  # ops run whole there: no sum
             bucket = open_.get((group, whole))
-            if bucket is None or bucket[1] + nbytes > spmd.DDP_BUCKET_BYTES:
+            if bucket is None or bucket[1] + nbytes > BUCKET_BYTES:
                 bucket = open_[group, whole] = [[], 0]
                 self.buckets.append((bucket[0], whole))
             bucket[0].append((key, source, move))

@@ -19,7 +19,7 @@ the same placement.
   kept so that the usual loop reads the same;
 * ``pmodel.parameters()`` are this rank's shards of its stage's parameters, so
   a plain AdamW updates them; a parameter replicated over a submesh axis is
-  exposed as a flat 1/n shard of it (ZeRO stage 1, ``spmd.OptimizerShard``: its
+  exposed as a flat 1/n shard of it (ZeRO stage 1, ``gradsync.OptimizerShard``: its
   gradient is reduce-scattered once per step and the updated shards are
   all-gathered at the start of the next step, in buckets), so the optimizer
   states are sharded too; gradients equal single-device full-batch
@@ -28,7 +28,7 @@ the same placement.
   the batch, as torch's losses do by default. Gradients of parameters
   replicated over a submesh axis accumulate as local partial sums over the
   microbatches and are all-reduced once per step, in buckets
-  (``spmd.GradAccumulation``);
+  (``gradsync.GradAccumulation``);
 * ``state_dict()`` / ``load_state_dict()`` speak full tensors under the
   original names, gathered across the submesh and the stages.
 
@@ -49,7 +49,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar import rankcheck, spmd
+from autopar import gradsync, rankcheck, spmd
 from autopar.capture import capture
 from autopar.codegen import build_program, load_program, program_source, same_steps
 from autopar.errors import AutoparError, InputError, LaunchError, PlanError
@@ -383,7 +383,7 @@ class PipelinedModule(nn.Module):
         for fqn, prm in local.items():
             axis = zero1_axis(self._placements[fqn], tuple(self._inner.shape))
             if axis is not None and prm.requires_grad:
-                self._zero1[fqn] = spmd.OptimizerShard(prm, self._inner, axis)
+                self._zero1[fqn] = gradsync.OptimizerShard(prm, self._inner, axis)
         exposed = {fqn: self._zero1[fqn].shard if fqn in self._zero1 else prm for fqn, prm in local.items()}
         tree = _ParamTree(exposed)  # registered here so that names stay the originals
         for name, child in tree.named_children():
@@ -403,7 +403,7 @@ class PipelinedModule(nn.Module):
                                 f"{len(ranges)} stages on {p} ranks")
             self._schedule = SCHEDULES[schedule](stages[0], m, loss_fn=loss, scale_grads=False)
         self._anchor = torch.zeros((), requires_grad=True)
-        self._accumulation = spmd.GradAccumulation()
+        self._accumulation = gradsync.GradAccumulation()
         self.deferred_reductions = 0
         """Gradient all-reduces the last step ran once, after its microbatches."""
         self._batch_shapes = [list(i["shape"]) for i in plan.inputs]
@@ -474,8 +474,8 @@ class PipelinedModule(nn.Module):
 
     def _refresh(self) -> None:
         """Gather the ZeRO-1 shards the optimizer updated into the stage's parameters (collective)."""
-        for shards in spmd.by_axis(self._zero1.values()):
-            spmd.all_gather_in_buckets(shards, shards[0].bucket_bytes)
+        for shards in gradsync.by_axis(self._zero1.values()):
+            gradsync.all_gather_in_buckets(shards, shards[0].bucket_bytes)
 
     def optimizer(self, optimizer_class, params=None, **kwargs) -> torch.optim.Optimizer:
         """``optimizer_class`` over this stage's parameters (ParallelModule.optimizer's

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from autopar import errors, rankcheck, spmd
+from autopar import errors, gradsync, rankcheck, spmd
+from autopar.cost_models.collectives import BUCKET_BYTES
 from autopar.errors import AutoparError, FactoryError, InputError, LaunchError
 from autopar.offload import OffloadOptimizer, is_offloaded, mark_offloaded
 from autopar.passes.strategy import parse_spec
@@ -159,12 +160,12 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, program: nn.Module, *, loss_fn=None,
                  device_mesh=None, local_inputs: bool = False, sharded: bool = False,
-                 bucket_bytes: int | None = spmd.DDP_BUCKET_BYTES, check_ranks: bool = True):
+                 bucket_bytes: int | None = BUCKET_BYTES, check_ranks: bool = True):
         """``sharded=True``: the model's parameters already are this rank's shards.
         ``check_ranks=False``: the caller has checked that every rank holds
         rank 0's model (``rankcheck.same_state``; done here otherwise).
         ``bucket_bytes``: the size of the buckets replicated parameters'
-        gradients are all-reduced in during backward (``spmd.GradSync``;
+        gradients are all-reduced in during backward (``gradsync.GradSync``;
         DDP's default); None: one blocking all-reduce per parameter."""
         super().__init__()
         self.bucket_bytes = bucket_bytes
@@ -263,7 +264,7 @@ class ParallelModule(nn.Module):
             if not self._local_inputs:
                 rankcheck.same_inputs(inputs, device)
             self._inputs_checked = True
-        with spmd.use_mesh(self.mesh), spmd.random_step(), spmd.grad_sync(self.mesh, self.bucket_bytes):
+        with spmd.use_mesh(self.mesh), spmd.random_step(), gradsync.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
 

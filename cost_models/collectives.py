@@ -140,8 +140,8 @@ def collective_time(kind: Collective, nbytes: float, axis: AxisLinks,
 
 BUCKET_BYTES = 25 * 2**20
 """The bucket cap of the emitted program's gathers and gradient reductions:
-DistributedDataParallel's default ``bucket_cap_mb``, 25 MiB (spmd.DDP_BUCKET_BYTES;
-graph_costs.bucketed prices them)."""
+DistributedDataParallel's default ``bucket_cap_mb``, 25 MiB (autopar.gradsync's
+``GradSync`` and spmd's ``gather_params`` cut at it; graph_costs.bucketed prices them)."""
 
 
 STEP_BUCKET_ELEMENTS = 40_000_000
@@ -154,7 +154,7 @@ buckets to ensure collectives do not become latency-bound")."""
 
 def step_bucket_bytes(ranks: int, elem_bytes: int) -> int:
     """The bucket of a pipeline step's once-per-step gradient reductions and
-    ZeRO-1 gathers over ``ranks`` (spmd.GradAccumulation.reduce): blocking,
+    ZeRO-1 gathers over ``ranks`` (gradsync.GradAccumulation.reduce): blocking,
     after the microbatches, so only the calls' latency and the bucket's copy
     count, and Megatron-Core's size, growing with the group, keeps the
     ring's (ranks - 1) latencies per call from adding up; a tensor's
@@ -166,7 +166,7 @@ def flat_buffer_time(seconds_of, nbytes: float, bucket: float) -> float:
     """Seconds for ``nbytes`` laid end to end as one flat buffer and cut in
     ``bucket``-byte pieces, one blocking collective each (``seconds_of``:
     one collective's seconds for its bytes): the end of a pipeline step's
-    gradient sync and ZeRO-1 gathers (spmd.in_buckets), ceil(nbytes /
+    gradient sync and ZeRO-1 gathers (gradsync.in_buckets), ceil(nbytes /
     bucket) calls."""
     if nbytes <= 0:
         return 0.0

@@ -102,7 +102,7 @@ class CostContext:
     stage: bool = False
     """Pricing a pipeline stage: its parameters' gradient all-reduces run
     once per step, after the microbatches, in ``step_bucket_bytes`` buckets
-    (spmd.GradAccumulation), not in backward in DDP's (``bucketed``)."""
+    (gradsync.GradAccumulation), not in backward in DDP's (``bucketed``)."""
 
     @property
     def can_offload(self) -> bool:

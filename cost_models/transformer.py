@@ -625,7 +625,7 @@ def _collectives(kind: Collective, tensors: list, e: int, plan: TrainingPlan, fa
 def _flat_buffer(kind: Collective, nbytes: float, plan: TrainingPlan, fabric: Fabric) -> float:
     """Seconds for ``nbytes`` as one flat buffer cut in ``step_bucket_bytes``
     pieces, one blocking collective each (the pipeline runtime's end-of-step
-    sync, spmd.in_buckets), priced on the fabric's dp link."""
+    sync, gradsync.in_buckets), priced on the fabric's dp link."""
     return flat_buffer_time(lambda b: fabric.time(kind, b, "dp"), nbytes,
                             step_bucket_bytes(plan.dp * plan.cp, plan.precision.elem_bytes))
 

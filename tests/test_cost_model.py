@@ -675,12 +675,6 @@ def _parameter_moves(plan, phase: str, kind: str) -> list:
             and c["tensor"] in plan.parameters]
 
 
-def test_bucket_cap_is_the_programs():
-    from autopar import spmd
-    from autopar.cost_models.collectives import BUCKET_BYTES
-    assert BUCKET_BYTES == spmd.DDP_BUCKET_BYTES
-
-
 @pytest.mark.parametrize("placement, moves", [
     (["R"], [("backward", "all_reduce")]),
     (["S(0)"], [("forward", "all_gather"), ("backward", "reduce_scatter")]),
@@ -741,7 +735,7 @@ def test_a_regathered_modules_parameters_share_one_call():
 
 def test_pipeline_stages_price_their_once_per_step_reductions_in_buckets():
     """A pipeline stage reduces its accumulated gradients once per step in buckets
-    (spmd.GradAccumulation.reduce), so the stage ILP prices them as the flat program's: each
+    (gradsync.GradAccumulation.reduce), so the stage ILP prices them as the flat program's: each
     parameter's all-reduce its bytes and its bytes' share of one call in a bucket of the model's
     parameters; the small GPT's stages pay one call between them, not one per parameter (on links
     nearly free, where the stages split their batch over dp)."""
@@ -765,7 +759,7 @@ def test_pipeline_stages_price_their_once_per_step_reductions_in_buckets():
 
 def test_data_parallelism_outside_a_pipeline_syncs_the_stage_in_buckets():
     """The pipeline search prices the replicas' sync as the pipeline runtime runs it (ZeRO-1,
-    spmd.OptimizerShard): the stage's gradients reduce-scattered and its parameters all-gathered as
+    gradsync.OptimizerShard): the stage's gradients reduce-scattered and its parameters all-gathered as
     one flat buffer cut in Megatron-Core's buckets (max(40M, 1M x dp) elements), ceil(bytes / bucket)
     calls each, however many tensors; larger groups take larger buckets."""
     from autopar.cost_models.collectives import axis_links, step_bucket_bytes
@@ -784,7 +778,7 @@ def test_data_parallelism_outside_a_pipeline_syncs_the_stage_in_buckets():
 
 
 def test_a_pipeline_steps_sync_holds_one_bucket_besides_the_gradients():
-    """The end-of-step sync copies one bucket at a time (spmd.in_buckets), so the stage search charges
+    """The end-of-step sync copies one bucket at a time (gradsync.in_buckets), so the stage search charges
     a device one bucket of its largest sync group (or its gradients, if fewer) next to the optimizer
     step's temporaries, not a copy of every gradient."""
     from autopar.cost_models.collectives import step_bucket_bytes

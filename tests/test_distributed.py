@@ -447,8 +447,8 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
 
 def test_a_pipeline_steps_sync_runs_in_buckets_of_its_flat_gradients():
     """tests/fixtures/step_buckets.py: at the end of a pipeline step the accumulated gradients are
-    reduced per mesh axis as one flat buffer cut in buckets (spmd.GradAccumulation.reduce), and
-    ZeRO-1's reduce-scatters and gathers likewise (spmd.OptimizerShard): sums and pieces equal those
+    reduced per mesh axis as one flat buffer cut in buckets (gradsync.GradAccumulation.reduce), and
+    ZeRO-1's reduce-scatters and gathers likewise (gradsync.OptimizerShard): sums and pieces equal those
     of every rank's gradients gathered whole, padded shards included, with as many collectives as
     the pipeline search prices (ceil of each axis's bytes over the bucket), at DDP's bucket size and
     at 40 bytes, where tensors straddle buckets."""

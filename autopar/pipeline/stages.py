@@ -155,7 +155,7 @@ def _step_temp(prof: Profile, param_bytes: float) -> float:
 
 def _sync_temp(prof: Profile, grad_bytes, dp: int):
     """Bytes the end-of-step gradient sync holds besides the gradients: one
-    bucket's flat copy and its reduced piece (``spmd.in_buckets``), of the
+    bucket's flat copy and its reduced piece (``gradsync.in_buckets``), of the
     bucket of the largest group it reduces over (``step_bucket_bytes``), or
     of the gradients where they are fewer. It runs after the activations
     are freed and before the optimizer step, so it peaks with neither."""
@@ -329,9 +329,9 @@ def evaluate(prof: Profile, *, p: int, m: int, schedule: Schedule, v: int, recom
 def _outer_sync(grad_bytes: float, link, bucket: float) -> float:
     """Seconds of the step's gradient sync over the data-parallel replicas
     outside the submesh, as the pipeline runtime runs it: ZeRO-1
-    (``spmd.OptimizerShard``), the stage's gradients reduce-scattered and
+    (``gradsync.OptimizerShard``), the stage's gradients reduce-scattered and
     its updated shards all-gathered, blocking, each as one flat buffer in
-    ``bucket``-byte pieces (``step_bucket_bytes``, ``spmd.in_buckets``)."""
+    ``bucket``-byte pieces (``step_bucket_bytes``, ``gradsync.in_buckets``)."""
     return (bucketed_time(Collective.REDUCE_SCATTER, grad_bytes, link, bucket)
             + bucketed_time(Collective.ALL_GATHER, grad_bytes, link, bucket))
 
