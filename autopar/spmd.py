@@ -46,7 +46,25 @@ from autopar.passes.strategy import parse_spec
 
 # torch 2.13 renamed these two and warns on the old names (FutureWarning, once per rank)
 _all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+_backend_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) \
+    or torch.distributed.reduce_scatter_tensor
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+    """``out`` = this rank's 1/n of ``flat`` summed over ``group``. On gloo
+    as one pairwise exchange (each rank sends rank j its j-th piece:
+    all_to_all) and a local sum of the n pieces received: gloo's own
+    reduce-scatter clones the whole buffer and all-reduces it
+    (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.13), twice
+    the bytes and 2(n - 1) ring latencies. The cost model prices it so
+    (``AxisLinks.pairwise_reduce_scatter``)."""
+    if torch.distributed.get_backend(group) != "gloo":
+        _backend_reduce_scatter(out, flat, group=group)
+        return
+    n = torch.distributed.get_world_size(group)
+    pieces = torch.empty_like(flat, memory_format=torch.contiguous_format)
+    torch.distributed.all_to_all_single(pieces, flat.contiguous(), group=group)
+    torch.sum(pieces.view(n, -1), dim=0, out=out.view(-1))
 
 _state = threading.local()
 

@@ -13,10 +13,11 @@ squares:
 - op_latency: the measured time of a one-element add
 - element_time: per element-wise / normalisation op, forward and backward
   seconds per element, the slope between two cache-resident sizes
-- collective: seconds = steps * alpha + wire_bytes / bandwidth, with the ring's
-  steps and wire bytes (2(n-1) and 2(n-1)/n S for all-reduce, n-1 and (n-1)/n S
-  for all-gather), both kinds in one fit, on absolute seconds; timed through
-  the functional collectives that emitted programs call.
+- collective: seconds = steps * alpha + wire_bytes / bandwidth, with the
+  steps and wire bytes the cost model gives each kind (collectives.ring_terms:
+  2(n-1) and 2(n-1)/n S for a ring all-reduce, n-1 and (n-1)/n S for an
+  all-gather, on gloo 1 and (n-1)/n S for the runtime's pairwise
+  reduce-scatter), all kinds in one fit, on absolute seconds.
 
 Last, the SPMD runtime's own costs are measured by running emitted programs
 priced with the new profile (autopar/measure.py): ``runtime_overhead`` (per
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from autopar.cost_models.cluster import Cluster, Device, Host, Link, cluster_names, get_cluster
-from autopar.cost_models.collectives import Collective, ring_bytes
+from autopar.cost_models.collectives import ring_terms
 from autopar.cost_models.graph_costs import OPTIMIZER_PASSES
 from autopar.errors import ClusterError
 
@@ -78,22 +79,19 @@ def fit_line(x, y) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def fit_alpha_beta(points: list[dict], n: int) -> tuple[float, float]:
-    """(latency alpha in s, bandwidth in bytes/s) of a ring that best explains
-    the measured all-reduce and all-gather times over ``n`` ranks.
+def fit_alpha_beta(points: list[dict], n: int, pairwise_reduce_scatter: bool = False) -> tuple[float, float]:
+    """(latency alpha in s, bandwidth in bytes/s) that best explain the
+    measured collective times over ``n`` ranks, each kind with the latency
+    steps and wire bytes the cost model gives it (``ring_terms``: a ring's
+    all-reduce and all-gather, the runtime's reduce-scatter).
 
     Ordinary least squares on seconds (not relative error): the large
     collectives, which dominate a step, are fitted best, and one odd tiny
     message (gloo answers a 4-byte all-reduce far faster than its ring would)
     cannot pull alpha away from what every other size shows. The residuals are
     kept in the profile."""
-    steps = {Collective.ALL_REDUCE: 2 * (n - 1), Collective.ALL_GATHER: n - 1}
-    rows, y = [], []
-    for p in points:
-        kind = Collective(p["kind"])
-        rows.append([steps[kind], ring_bytes(kind, p["bytes"], n)])
-        y.append(p["seconds"])
-    a, y = np.asarray(rows, float), np.asarray(y, float)
+    rows = [ring_terms(p["kind"], p["bytes"], n, pairwise_reduce_scatter) for p in points]
+    a, y = np.asarray(rows, float), np.asarray([p["seconds"] for p in points], float)
     (alpha, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
     if alpha < 0:
         alpha, inv_bw = 0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))
@@ -207,11 +205,11 @@ def profile_from_raw(raw: dict, *, name: str, source: str, device_name: str, mem
                                               [c["seconds"] for c in copy]),
     }
     if raw["collectives"]:  # the ranks' one node, both levels the measured link
-        alpha, bandwidth = fit_alpha_beta(raw["collectives"], n)
+        pairwise = raw["backend"] == "gloo"  # as axis_links prices the profile's reduce-scatters
+        alpha, bandwidth = fit_alpha_beta(raw["collectives"], n, pairwise)
+        terms = [ring_terms(c["kind"], c["bytes"], n, pairwise) for c in raw["collectives"]]
         fit.update(alpha_s=alpha, bandwidth=bandwidth, collective_residuals=_relative_residuals(
-            [alpha * (2 * (n - 1) if c["kind"] == "all_reduce" else n - 1)
-             + ring_bytes(Collective(c["kind"]), c["bytes"], n) / bandwidth for c in raw["collectives"]],
-            [c["seconds"] for c in raw["collectives"]]))
+            [alpha * steps + wire / bandwidth for steps, wire in terms], [c["seconds"] for c in raw["collectives"]]))
         link = Link(bandwidth, alpha)
         node = dict(devices_per_node=n, intra_node=link, inter_node=link, nodes=1)
     else:  # one rank: the node, its links and the per-collective cost as the given cluster has them
@@ -263,7 +261,7 @@ def calibrate(out_path: str, nproc: int = 4, backend: str | None = None, name: s
     today = datetime.date.today().isoformat()
     peak_note = ("peak, special_function_rate and synchronous_mma_fraction = the preset's figures" if known else
                  "peak_flops = the measured asymptotic GEMM rate of one rank (no datasheet figure)")
-    sweeps = (f"all_reduce + all_gather sweeps {raw['collectives'][0]['bytes']:.0f} B.."
+    sweeps = (f"all_reduce + all_gather + reduce_scatter sweeps {raw['collectives'][0]['bytes']:.0f} B.."
               f"{raw['collectives'][-1]['bytes'] / 2**20:.0f} MiB" if raw["collectives"] else
               f"one rank, no collectives: devices_per_node, links and collective_overhead from {links.name!r}")
     source = (f"autopar calibrate --nproc {nproc} --backend {backend}, {today}, on {machine}, "

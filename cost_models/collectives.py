@@ -57,6 +57,10 @@ class AxisLinks:
     inter_link: Link
     call_overhead: float = 0.0
     """Seconds each collective call adds beyond the links (Device.collective_overhead)."""
+    pairwise_reduce_scatter: bool = False
+    """The program's reduce-scatters are one pairwise exchange (an
+    all-to-all and a local sum: autopar.spmd runs them so on gloo, whose own
+    reduce-scatter is a whole all-reduce): one latency, the ring's bytes."""
 
     @property
     def spans_nodes(self) -> bool:
@@ -88,7 +92,8 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> list[AxisLinks]
         else:
             intra = max(1, dpn // stride)
             inter = max(1, size // intra)
-        out.append(AxisLinks(size, intra, inter, cluster.intra_node, inter_link, cluster.device.collective_overhead))
+        out.append(AxisLinks(size, intra, inter, cluster.intra_node, inter_link, cluster.device.collective_overhead,
+                             pairwise_reduce_scatter=cluster.backend == "gloo"))
     return out
 
 
@@ -103,6 +108,18 @@ def ring_bytes(kind: Collective, nbytes: float, n: int) -> float:
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
         return (n - 1) / n * nbytes
     return float(nbytes)
+
+
+def ring_terms(kind: Collective, nbytes: float, n: int, pairwise_reduce_scatter: bool = False) -> tuple:
+    """(latency steps, bytes on the wire per rank) of one collective over
+    ``n`` ranks of one node as ``collective_time`` prices it: its time is
+    steps x alpha + bytes / bandwidth (what ``autopar calibrate`` fits)."""
+    def seconds(latency: float) -> float:
+        link = Link(1.0, latency)
+        return _links_time(Collective(kind), nbytes, AxisLinks(n, n, 1, link, link, 0.0, pairwise_reduce_scatter),
+                           Algorithm.RING)
+    wire = seconds(0.0)
+    return seconds(1.0) - wire, wire
 
 
 def _tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
@@ -186,6 +203,8 @@ def launch_time(kind: Collective, axis: AxisLinks) -> float:
 
 
 def _links_time(kind: Collective, nbytes: float, axis: AxisLinks, algorithm: Algorithm) -> float:
+    if kind is Collective.REDUCE_SCATTER and axis.pairwise_reduce_scatter:
+        return _pairwise(nbytes, axis)
     if axis.inter == 1:
         intra_algorithm = Algorithm.RING if algorithm is Algorithm.BEST else algorithm
         return _ring(kind, nbytes, axis.size, axis.intra_link, intra_algorithm)
@@ -201,6 +220,17 @@ def _links_time(kind: Collective, nbytes: float, axis: AxisLinks, algorithm: Alg
         return tree if algorithm is Algorithm.TREE else min(ring, tree)
     # all-to-all and point-to-point: bound by the slowest (inter-node) level.
     return _ring(kind, nbytes, axis.size, axis.inter_link)
+
+
+def _pairwise(nbytes: float, axis: AxisLinks) -> float:
+    """A reduce-scatter as one pairwise exchange (``pairwise_reduce_scatter``):
+    every rank sends its n - 1 pieces at once, so one latency of the slowest
+    level it crosses and (n - 1)/n of the buffer at the group's share of it."""
+    if axis.inter == 1:
+        return axis.intra_link.latency + ring_bytes(Collective.REDUCE_SCATTER, nbytes, axis.size) / \
+            axis.intra_link.bandwidth
+    share = axis.inter_link.bandwidth if axis.intra == 1 else node_share(axis)
+    return axis.inter_link.latency + ring_bytes(Collective.REDUCE_SCATTER, nbytes, axis.size) / share
 
 
 def node_share(axis: AxisLinks) -> float:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autopar.cost_models.calibrate import fit_alpha_beta, fit_element_time, fit_line, profile_from_raw
-from autopar.cost_models.cluster import Cluster, cluster_names, get_cluster
+from autopar.cost_models.cluster import Cluster, Link, cluster_names, get_cluster
 from autopar.cost_models.collectives import Algorithm, Collective, axis_links, collective_time, ring_bytes
 from autopar.cost_models.compute import op_time
 from autopar.errors import ClusterError
@@ -514,11 +514,33 @@ def test_presets_round_trip_through_json(name, tmp_path):
 
 def test_fits_recover_synthetic_constants():
     alpha, bw, n = 300e-6, 0.7e9, 4
-    points = [{"kind": k, "bytes": b,
-               "seconds": alpha * (2 * (n - 1) if k == "all_reduce" else n - 1) + ring_bytes(Collective(k), b, n) / bw}
-              for k in ("all_reduce", "all_gather") for b in (4.0, 1e4, 1e6, 1.6e7)]
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
+    points = [{"kind": k, "bytes": b, "seconds": alpha * steps[k] + ring_bytes(Collective(k), b, n) / bw}
+              for k in steps for b in (4.0, 1e4, 1e6, 1.6e7)]
     assert fit_alpha_beta(points, n) == pytest.approx((alpha, bw), rel=1e-9)
+    # gloo: the runtime's reduce-scatter is one pairwise exchange, one latency
+    pairwise = [dict(p, seconds=p["seconds"] - (n - 2) * alpha) if p["kind"] == "reduce_scatter" else p
+                for p in points]
+    assert fit_alpha_beta(pairwise, n, pairwise_reduce_scatter=True) == pytest.approx((alpha, bw), rel=1e-9)
+    assert fit_alpha_beta(pairwise, n)[0] != pytest.approx(alpha, rel=1e-3)  # priced as a ring, it fits worse
     assert fit_line([1, 2, 4], [3.5, 4.0, 5.0]) == pytest.approx((3.0, 0.5))
+
+
+def test_a_gloo_clusters_reduce_scatter_is_priced_as_the_runtime_runs_it():
+    """autopar.spmd runs a reduce-scatter on gloo as one all-to-all and a
+    local sum (gloo's own all-reduces the whole buffer): one latency and the
+    ring's bytes, where NCCL's ring waits n - 1 latencies."""
+    link = Link(1e9, 1e-3)
+    nbytes, n = 4e6, 4
+    gloo = Cluster("g", get_cluster("cpu").device, devices_per_node=4, intra_node=link, inter_node=link, nodes=1,
+                   backend="gloo")
+    nccl = dataclasses.replace(gloo, backend="nccl")
+    (g,), (c,) = axis_links(gloo, (n,)), axis_links(nccl, (n,))
+    wire = (n - 1) / n * nbytes / link.bandwidth
+    assert collective_time(Collective.REDUCE_SCATTER, nbytes, g) == pytest.approx(g.call_overhead + 1e-3 + wire)
+    assert collective_time(Collective.REDUCE_SCATTER, nbytes, c) == pytest.approx(c.call_overhead + 3e-3 + wire)
+    for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER):  # gloo's own, rings
+        assert collective_time(kind, nbytes, g) == pytest.approx(collective_time(kind, nbytes, c))
 
 
 def test_profile_from_raw_is_a_valid_cluster():
