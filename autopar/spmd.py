@@ -1263,9 +1263,11 @@ def runs_as_is(fn) -> bool:
     return _local_impl(fn) is _plain
 
 
+@functools.lru_cache(maxsize=None)
 def _local_impl(fn):
     """The local implementation of op ``fn``: its entry (by the op, or for a
-    library's op by its name), or the op itself."""
+    library's op by its name), or the op itself, found once per op (it
+    formatted the op's name on every call)."""
     impl = LOCAL_IMPLS.get(fn)
     if impl is None and isinstance(fn, torch._ops.OpOverload):
         impl = LOCAL_IMPLS.get(str(fn))
