@@ -130,9 +130,8 @@ def capture_plan_model(plan: Plan, source: str | None = None):
                         "the plan was compiled in, or pass --source FILE.py:FACTORY")
     model, inputs, loss_fn = load_factory(source)
     if plan.pipeline is not None:
-        import torch
-        inputs = tuple(torch.zeros(i["microbatch_shape"], dtype=getattr(torch, i["dtype"].replace("torch.", "")))
-                       for i in plan.inputs)
+        from autopar.pipeline.planfile import microbatch_inputs
+        inputs = microbatch_inputs(plan)
     graph = capture(model, inputs, loss_fn)
     want = plan.model.get("fingerprint")
     if want and graph.fingerprint() != want:
@@ -145,18 +144,14 @@ def _per_stage(plan: Plan, graph, source: str | None) -> tuple:
     """(a pipelined plan as its stages' ILP solved it, the microbatch graph):
     every node's placements on the stage submesh (the pp axis dropped; a
     pp-only mesh's stages run on one device), without the pipeline."""
-    from autopar.mesh import Mesh
-    from autopar.pipeline.planfile import PP_AXIS, inner_spec
+    from autopar.pipeline.planfile import inner_mesh, inner_spec
     mesh = plan.mesh
     graph = graph if graph is not None else capture_plan_model(plan, source)
-    inner = [(n, s) for n, s in zip(mesh.names, mesh.shape) if n != PP_AXIS] or [("tp", 1)]
-    sub = Mesh(tuple(s for _, s in inner), tuple(n for n, _ in inner))
-
-    def on(spec: str) -> str:
-        return inner_spec(spec, mesh) if mesh.ndim > 1 else "R"
-    nodes = [replace(n, input_specs=[on(x) for x in n.input_specs], output_spec=on(n.output_spec),
-                     item_specs=[on(x) for x in n.item_specs]) for n in plan.nodes]
-    return replace(plan, mesh=sub, nodes=nodes, pipeline=None), graph
+    def inner(specs: list) -> list:
+        return [inner_spec(x, mesh) for x in specs]
+    nodes = [replace(n, input_specs=inner(n.input_specs), output_spec=inner_spec(n.output_spec, mesh),
+                     item_specs=inner(n.item_specs)) for n in plan.nodes]
+    return replace(plan, mesh=inner_mesh(mesh), nodes=nodes, pipeline=None), graph
 
 
 def _resolve(plan: Plan, graph, target: str) -> tuple[str, str | None]:
@@ -247,7 +242,8 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     candidates = []
     for s in strategies[name]:
         f, b = node_compute(node, s, ctx, name in grad)
-        f += 0.0 if stage else optimizer_time(node, s, ctx)  # parameters: the update of this shard (a stage's: once a step)
+        if not stage:  # parameters: the update of this shard (a stage's runs once a step, after the microbatches)
+            f += optimizer_time(node, s, ctx)
         transfers = _transfers(name, "in", name, *op_moves(node, s, ctx, name in grad), mesh.names, [], True)
         held = 0.0  # resharded copies of its inputs kept for backward (as the plan counts them)
         mine: set = set()  # reshards of its inputs this candidate pays for

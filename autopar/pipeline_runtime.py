@@ -57,7 +57,7 @@ from autopar.ir import Graph, Node, NodeKind
 from autopar.mesh import Mesh
 from autopar.passes.strategy import fmt_spec, parse_spec
 from autopar.pipeline import (
-    PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, stage_ranges, zero1_axis,
+    PP_AXIS, Layers, Schedule, cut_placements, group_layers, inner_spec, microbatch_inputs, stage_ranges, zero1_axis,
 )
 from autopar.plan import NodePlan, Plan
 from autopar.runtime import in_torchrun, shard_of, torchrun_command
@@ -260,10 +260,6 @@ class _ReportedLoss(torch.autograd.Function):
         return None, None
 
 
-def _dtype(text: str) -> torch.dtype:
-    return getattr(torch, text.replace("torch.", ""))
-
-
 def init_pipeline_mesh(mesh: Mesh):
     """Join the torchrun job and build the DeviceMesh of a pipelined plan (a
     one-device submesh axis is added when the mesh has only the pp axis)."""
@@ -280,7 +276,7 @@ def init_pipeline_mesh(mesh: Mesh):
 
 def stage_sources(model: nn.Module, plan: Plan, loss_fn=None) -> dict:
     """The per-stage programs of a pipelined plan, as Python source, by model chunk."""
-    example = tuple(torch.zeros(i["microbatch_shape"], dtype=_dtype(i["dtype"])) for i in plan.inputs)
+    example = microbatch_inputs(plan)
     graph = capture(model, example, loss_fn)
     layers = group_layers(graph)
     inner = tuple(n for n in plan.mesh.names if n != PP_AXIS)
@@ -326,7 +322,7 @@ class PipelinedModule(nn.Module):
         self._inputs_checked = False
 
         # the microbatch graph, sliced as the plan says
-        example = tuple(torch.zeros(i["microbatch_shape"], dtype=_dtype(i["dtype"])) for i in plan.inputs)
+        example = microbatch_inputs(plan)
         graph = capture(planned if planned is not None else model, example, loss_fn)
         if graph.fingerprint() != plan.model.get("fingerprint"):
             raise PlanError(f"the plan was compiled for a different model or microbatch shape (fingerprint "

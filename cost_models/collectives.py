@@ -227,10 +227,10 @@ def _pairwise(nbytes: float, axis: AxisLinks) -> float:
     every rank sends its n - 1 pieces at once, so one latency of the slowest
     level it crosses and (n - 1)/n of the buffer at the group's share of it."""
     if axis.inter == 1:
-        return axis.intra_link.latency + ring_bytes(Collective.REDUCE_SCATTER, nbytes, axis.size) / \
-            axis.intra_link.bandwidth
-    share = axis.inter_link.bandwidth if axis.intra == 1 else node_share(axis)
-    return axis.inter_link.latency + ring_bytes(Collective.REDUCE_SCATTER, nbytes, axis.size) / share
+        link, share = axis.intra_link, axis.intra_link.bandwidth
+    else:
+        link, share = axis.inter_link, axis.inter_link.bandwidth if axis.intra == 1 else node_share(axis)
+    return link.latency + ring_bytes(Collective.REDUCE_SCATTER, nbytes, axis.size) / share
 
 
 def node_share(axis: AxisLinks) -> float:

@@ -56,7 +56,7 @@ pp axis (``compile_pipelined``), and ``planfile.py`` writes the plan's
 """
 from autopar.pipeline.layers import Layers, group_layers
 from autopar.pipeline.planfile import (
-    PP_AXIS, build_pipeline_plan, inner_spec, plan_from_candidate, stage_ranges, stage_rows,
+    PP_AXIS, build_pipeline_plan, inner_spec, microbatch_inputs, plan_from_candidate, stage_ranges, stage_rows,
 )
 from autopar.pipeline.pricing import Profile, cut_placements, profile, zero1_axis
 from autopar.pipeline.search import PipelineSearch, compile_pipelined, search_pipeline
@@ -64,5 +64,5 @@ from autopar.pipeline.stages import Candidate, Schedule, bubble_fraction, evalua
 
 __all__ = ["compile_pipelined", "search_pipeline", "should_pipeline", "bubble_fraction", "group_layers",
            "Schedule", "Layers", "Candidate", "PipelineSearch", "Profile", "profile", "partition", "evaluate",
-           "cut_placements", "zero1_axis", "inner_spec", "stage_ranges", "stage_rows", "build_pipeline_plan",
-           "plan_from_candidate", "PP_AXIS"]
+           "cut_placements", "zero1_axis", "inner_spec", "microbatch_inputs", "stage_ranges", "stage_rows",
+           "build_pipeline_plan", "plan_from_candidate", "PP_AXIS"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import torch
 from torch.distributed.tensor import Replicate
 
 from autopar.cost_models.collectives import Collective, axis_links, collective_time
@@ -37,6 +38,20 @@ def _full_spec(spec: tuple, submesh: Mesh, mesh: Mesh) -> str:
 
 def _per_axis(spec: tuple, submesh: Mesh, mesh: Mesh) -> list:
     return [fmt_spec((q,)) for q in parse_spec(_full_spec(spec, submesh, mesh), mesh.ndim)]
+
+
+def inner_mesh(mesh: Mesh) -> Mesh:
+    """The stage submesh: every axis but pp (a single axis of size 1 when there is none)."""
+    kept = [(n, s) for n, s in zip(mesh.names, mesh.shape) if n != PP_AXIS]
+    if not kept:
+        return Mesh((1,), ("tp",))
+    return Mesh(tuple(s for _, s in kept), tuple(n for n, _ in kept))
+
+
+def microbatch_inputs(plan: Plan) -> tuple:
+    """Zeros shaped as one microbatch of a pipelined plan's inputs: what its stages were traced and planned on."""
+    return tuple(torch.zeros(i["microbatch_shape"], dtype=getattr(torch, i["dtype"].replace("torch.", "")))
+                 for i in plan.inputs)
 
 
 def inner_spec(spec: str, mesh: Mesh) -> str:

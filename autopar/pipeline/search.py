@@ -14,7 +14,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh, parse_mesh
 from autopar.plan import Plan
 from autopar.planner import plan_flat as compile_flat
-from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, plan_from_candidate
+from autopar.pipeline.planfile import PP_AXIS, build_pipeline_plan, inner_mesh, plan_from_candidate
 from autopar.pipeline.pricing import Profile, batch_size, profiles as price
 from autopar.pipeline.stages import (
     Candidate, MARGIN, Schedule, evaluate, recompute_modes, should_pipeline, _best, _schedules,
@@ -259,7 +259,7 @@ def _compile_pipelined(model, example_inputs, *, mesh, cluster, loss_fn, stages,
             raise AutoparError(f"stages={stages} disagrees with the mesh ({mesh}): the pipeline has one stage per "
                                f"coordinate of its pp axis; use a mesh with pp={stages}")
         if p == 1 and not accumulates:
-            return compile_flat_(model, example_inputs, _inner_mesh(mesh))
+            return compile_flat_(model, example_inputs, inner_mesh(mesh))
         return _plan_on_mesh(model, example_inputs, loss_fn, mesh, cluster, **accumulate)
     if stages == 1 and not accumulates:
         return compile_flat_(model, example_inputs, mesh)
@@ -305,14 +305,6 @@ def _with_pp(mesh: Mesh) -> Mesh:
     return Mesh((1, *mesh.shape), (PP_AXIS, *mesh.names))
 
 
-def _inner_mesh(mesh: Mesh) -> Mesh:
-    """The stage submesh: every axis but pp (a single axis of size 1 when there is none)."""
-    kept = [(n, s) for n, s in zip(mesh.names, mesh.shape) if n != PP_AXIS]
-    if not kept:
-        return Mesh((1,), ("tp",))
-    return Mesh(tuple(s for _, s in kept), tuple(n for n, _ in kept))
-
-
 def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microbatches=None, schedule=None,
                   virtual_stages: int | None = None, memory=None, recompute=None, optimizer="adamw",
                   precision="fp32", time_limit_s=60.0, solver="HIGHS", source=None, reuse_layers: bool = False,
@@ -325,7 +317,7 @@ def _plan_on_mesh(model, example_inputs, loss_fn, mesh: Mesh, cluster, *, microb
     B = batch_size(example_inputs)
     pp_index = mesh.names.index(PP_AXIS)
     p = mesh.shape[pp_index]
-    inner = _inner_mesh(mesh)
+    inner = inner_mesh(mesh)
     budget = memory if memory is not None else cluster.device.memory
     pp_link = axis_links(cluster, mesh.shape)[pp_index]
     if microbatches is not None:
