@@ -609,7 +609,7 @@ def test_explain_does_not_charge_a_reshard_another_consumer_runs_anyway(gpt_plan
     assert "which the plan runs anyway: not counted" in str(free[0])
 
 
-def test_explain_prices_a_pipelined_plans_nodes_as_their_stage_did(tmp_path):
+def test_explain_prices_a_pipelined_plans_nodes_as_their_stage_did():
     """A pipelined plan's nodes were solved per stage, one microbatch on the
     submesh without the pp axis; explain prices them so (it refused them,
     and before that blamed a changed model): every node's chosen candidate is
