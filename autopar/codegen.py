@@ -44,7 +44,9 @@ gradient (a move from P is an all-reduce or, to S(d), a reduce-scatter);
 all-reduces the gradient over those axes; `autopar_spmd_grad_share(x, axes)`
 passes a whole gradient on coordinate 0 of those axes only (no collective);
 `autopar_spmd_gather_params((w, ...), ("<from>-><to>", ...))` all-gathers a
-bucket of sharded parameters and reduce-scatters their gradients in backward.
+bucket of sharded parameters and reduce-scatters their gradients in backward;
+`autopar_spmd_prefetch_params` starts the next ZeRO-3 bucket's all-gather
+there, finished where that bucket is gathered (`ahead=`).
 `autopar_spmd_param(w, spec, axes)` leaves the all-reduce of a parameter's
 gradient over `axes` (those that replicate it where its uses split their
 work; elsewhere each rank has the whole gradient) to buckets launched while
@@ -242,11 +244,14 @@ class _Gradients:
             bucket = open_.get((group, whole))
             if bucket is None or bucket[1] + nbytes > BUCKET_BYTES:
                 bucket = open_[group, whole] = [[], 0]
-                self.buckets.append((bucket[0], whole))
+                self.buckets.append((bucket[0], whole, group[2] is not None))
             bucket[0].append((key, source, move))
             bucket[1] += nbytes
-        self.whole = [whole for b, whole in self.buckets if len(b) > 1]
-        self.buckets = [b for b, _ in self.buckets if len(b) > 1]
+        # one parameter alone moves as its reshard does, unless it is regathered: a bucket of its
+        # own is prefetched in forward (``_Emitter._prefetch``)
+        kept = [(b, whole) for b, whole, regathered in self.buckets if len(b) > 1 or regathered]
+        self.whole = [whole for _, whole in kept]
+        self.buckets = [b for b, _ in kept]
         self.bucket_of = {key: i for i, b in enumerate(self.buckets) for key, _, _ in b}
 
     def solve(self) -> None:
@@ -537,6 +542,8 @@ class _Emitter:
         # gathered innermost axis first, each a plain all-gather unless a later axis left sharded splits its dim
         if any(a[e] == a[c] for c in changed for e in range(c + 1, self.ndim) if e not in changed):
             return  # the pieces nest
+        if not divides(a, node.out.shape, self.plan.mesh.shape):
+            return  # a bucket's pieces are even
         nbytes = math.prod(node.out.shape) * node.out.dtype.itemsize
         group = (changed, node.out.dtype, node.fqn.rpartition(".")[0] if node.fqn in self.regather else None)
         self.grads.gather(key, src, f"{_as_sum(have)}->{_as_sum(want)}", nbytes, group)
@@ -547,16 +554,35 @@ class _Emitter:
         regather = self.graph.nodes[members[0][1]].fqn in self.regather  # a bucket is one ZeRO stage
         args = (tuple(env[src] for _, src, _ in members), tuple(move for _, _, move in members))
         whole = self.grads.whole[bucket]
-        call = g.call_function(spmd.gather_params, (*args, True) if regather else args,
-                               {"whole": whole} if whole else {})
+        kwargs = {"whole": whole} if whole else {}
+        if ("ahead", bucket) in env:
+            kwargs["ahead"] = env[("ahead", bucket)]
+        call = g.call_function(spmd.gather_params, (*args, True) if regather else args, kwargs)
         call.name = f"gathered_{bucket}"
         env[("bucket", bucket)] = call
+        if regather:
+            self._prefetch(g, env, bucket)
         for i, (key, src, move) in enumerate(members):
             env[key] = g.call_function(operator.getitem, (call, i))
             env[key].name = f"{src}_{_slug(move.split('->')[1])}"
             self.grads.value(key, move.split("->")[1])
             if regather:
                 self.gathered.add(key)
+
+    def _prefetch(self, g: fx.Graph, env: dict, bucket: int) -> None:
+        """Start the next ZeRO-3 bucket's all-gather where ``bucket`` is
+        gathered: it runs while the ops up to its use compute (FSDP's forward
+        prefetch, one module ahead; the cost model prices it so,
+        ``timeline.GatherWindow``)."""
+        after = [b for b in range(bucket + 1, len(self.grads.buckets))
+                 if self.graph.nodes[self.grads.buckets[b][0][1]].fqn in self.regather]
+        if not after or ("bucket", after[0]) in env:
+            return
+        members = self.grads.buckets[after[0]]
+        call = g.call_function(spmd.prefetch_params, (tuple(env[src] for _, src, _ in members),
+                                                      tuple(move for _, _, move in members)))
+        call.name = f"ahead_{after[0]}"
+        env[("ahead", after[0])] = call
 
     def _reshard(self, g: fx.Graph, value: fx.Node, source: str, key: str, have: str, want: str) -> fx.Node:
         self.grads.reshard(key, source)

@@ -228,7 +228,8 @@ def _require(ok: bool, message: str, value) -> None:
 
 PREDICTED_REQUIRED = ("step_time_s", "compute_s", "comm_s", "peak_memory_bytes")
 PREDICTED_OPTIONAL = ("bubble_s", "mfu", "optimizer_s", "memory_capacity_bytes", "grad_sync_s",
-                      "grad_sync_exposed_s", "model_flops", "host_memory_bytes", "host_capacity_bytes")
+                      "grad_sync_exposed_s", "prefetched_gather_s", "prefetched_gather_exposed_s", "model_flops",
+                      "host_memory_bytes", "host_capacity_bytes")
 """The predicted fields that `show`, `diff` and `viz` read as numbers."""
 
 

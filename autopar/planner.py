@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import capture
 from autopar.cost_models.cluster import get_cluster
+from autopar.cost_models.collectives import Collective
 from autopar.cost_models.graph_costs import (
     CostContext, SharedReshards, backward_working_set, bucket_bytes, edge_memory, edge_moves,
     gradient_transient, memory_breakdown, needs_grad, node_compute, op_moves,
@@ -35,7 +36,7 @@ from autopar.passes.enumerate import enumerate_strategies
 from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
-from autopar.timeline import SyncWindow, Timeline, first_consumers
+from autopar.timeline import GatherWindow, SyncWindow, Timeline, first_consumers
 from autopar.solver import in_parallel, memory_bound, solve
 
 log = logging.getLogger("autopar")
@@ -574,7 +575,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     the predicted totals, summed from ``node_costs``."""
     grad = needs_grad(graph)
     timeline, first_use, param_ws = Timeline(graph, rc), first_consumers(graph), {}
-    window = SyncWindow(graph)
+    window, gathers, redo = SyncWindow(graph), GatherWindow(graph), rc.nodes
     nodes, collectives = [], []
     gathered = set()  # parameters whose consumers all-gather them (ZeRO-2/3 style)
     compute = ctx.cluster.device.step_overhead  # the runtime's fixed cost per step, then every node's
@@ -593,6 +594,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
                                     "bytes": m.nbytes, "seconds": m.seconds, "node": node.name,
                                     "producer": node.name, "tensor": node.name, "gradient_sync": False})
         window.compute(node.name, None, cost.bwd_s)
+        gathers.compute(node.name, None, cost.fwd_s)
         timeline.activation(node.name, None, cost.activations)
         mem = sum(cost.parts.values()) + (0.0 if cost.dropped else cost.activations)
         for k, v in cost.parts.items():
@@ -605,13 +607,23 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
             timeline.copy(first_use[src], None, edge.held)  # made at the producer's first use, as the ILP counts it
             if not cost.dropped:
                 nodes[-1].memory_bytes += edge.held
+            # a regathered parameter's gather at its first use, outside recomputed layers, is prefetched
+            # (hidden only where the cluster runs collectives under compute)
+            ahead = ctx.cluster.overlap_grad_sync and graph.nodes[src].kind is NodeKind.PARAM \
+                and first_use[src] == node.name and node.name not in redo
             if graph.nodes[src].kind is NodeKind.PARAM:
                 param_ws[src] = max(param_ws.get(src, 0.0), edge.gather_transient)
                 if edge.gathers:
                     gathered.add(src)
+                if ahead and any(st.regather for st in strategies[src]):
+                    gathers.point(node.name)  # where the ILP may have placed one
             for phase, moves in (("forward", edge.fwd), ("backward", edge.bwd), ("recompute", edge.again)):
                 for m in moves:
-                    comm += m.seconds
+                    if phase == "forward" and ahead and chosen[src].regather and all(
+                            x.kind is Collective.ALL_GATHER for x in edge.fwd):
+                        gathers.gather(node.name, None, m.seconds)
+                    else:
+                        comm += m.seconds
                     if phase == "backward" and graph.nodes[src].kind is NodeKind.PARAM:
                         sync_s += m.seconds
                         window.sync(node.name, None, m.seconds, ctx.links[m.axis].levels)
@@ -644,6 +656,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     total_flops = _model_flops(graph, grad)
     # gradient sync under the backward compute left to run, where the cluster overlaps them
     exposed_sync = window.exposed() if ctx.cluster.overlap_grad_sync else sync_s
+    prefetched = sum(sum(g.values()) for g, _ in gathers.points())  # ZeRO-3's gathers in forward
+    comm += gathers.exposed()
     step = compute + comm - sync_s + exposed_sync
     # Activations: those alive at the op whose backward needs the most with
     # its working set (autopar/timeline.py); gradients build up in backward
@@ -656,6 +670,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     predicted = {
         "step_time_s": step, "compute_s": compute, "comm_s": comm - sync_s + exposed_sync, "bubble_s": 0.0,
         "optimizer_s": optimizer_s, "grad_sync_s": sync_s, "grad_sync_exposed_s": exposed_sync,
+        "prefetched_gather_s": prefetched, "prefetched_gather_exposed_s": gathers.exposed(),
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
         **_host_memory(graph, chosen, ctx),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
+from autopar.cost_models.collectives import Collective
 from autopar.cost_models.graph_costs import (
     CostContext, backward_working_set, bucket_bytes, edge_memory, edge_moves, gradient_transient,
     host_bytes, memory_breakdown, needs_grad, step_temporaries, node_compute, node_memory, op_moves, optimizer_time,
@@ -36,7 +37,7 @@ from autopar.ir import Graph, NodeKind
 from autopar.passes.recompute import NONE, Recomputation
 from autopar.passes.strategy import shard_factor
 from autopar.cost_models.resharding import reads_in_place
-from autopar.timeline import SyncWindow, Timeline, add as _add, first_consumers
+from autopar.timeline import GatherWindow, SyncWindow, Timeline, add as _add, first_consumers
 
 US = 1e6  # objective unit: microseconds
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
@@ -96,6 +97,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         ilp.working_sets()
         early = ilp.prune_dominated(memory_budget, reps, most) if ilp.prune_early else {}
         ilp.reshard_edges()
+        ilp.gather_rows()
         return ilp, reps, {**early, **ilp.prune_dominated(memory_budget, reps)}
 
     try:
@@ -233,6 +235,7 @@ class _ILP:
         # pays only the exposed part (price_exposed_sync).
         self.overlap = ctx.cluster.overlap_grad_sync
         self.window = SyncWindow(graph)
+        self.gathers = GatherWindow(graph)  # ZeRO-3 gathers in forward, prefetched (gather_rows)
         self.x: dict = {}
         self.edge_vars: list = []  # the y variables of each edge
         self.used_vars: list = []  # a shared reshard's variable (used by some edge)
@@ -293,6 +296,7 @@ class _ILP:
                 _add(self.objective, v, (f + b + opt + moved) * US)
                 if self.overlap:
                     self.window.compute(name, v, b * US)
+                self.gathers.compute(name, v, f * US)
                 _add(self.always, v, kept_all)
                 _add(self.mem, v, kept_all + acts)
                 _add(self.late, v, later)
@@ -429,7 +433,8 @@ class _ILP:
 
     def _pair(self, sid: int, kid: int, consumer, idx: int, meta, backward: bool, bucket=None) -> tuple:
         """(forward s, backward s, backward us per link, gradient transient bytes,
-        reads in place, whether it moves anything) of resharding spec ``sid``
+        reads in place, whether it moves anything, whether its forward is
+        all-gathers alone) of resharding spec ``sid``
         to a consumer's key ``kid``: what the edge costs depends on the
         specs, the key, the tensor and, for a parameter, its bucket alone
         (graph_costs.bucketed), so edges of repeated layers (and other edges
@@ -441,7 +446,8 @@ class _ILP:
             f, b = edge_moves(spec, consumer, idx, meta, self.ctx, backward, bucket)
             hit = self._pairs[cache_key] = (seconds(f), seconds(b), _on_links(b, self.ctx),
                                             gradient_transient(b, spec, consumer, idx, meta, self.ctx),
-                                            reads_in_place(spec, key[0]), bool(f or b))
+                                            reads_in_place(spec, key[0]), bool(f or b),
+                                            bool(f) and all(m.kind is Collective.ALL_GATHER for m in f))
         return hit
 
     def _held(self, sid: int, kid: int, meta, saved: bool, read: bool) -> float:
@@ -474,6 +480,10 @@ class _ILP:
         priced: dict = {}
         saved = dst in self.grad and saves_input(graph.nodes[dst])
         hides = self.overlap and graph.nodes[src].kind is NodeKind.PARAM
+        # a regathered parameter's gather at its first use, outside recomputed layers, is prefetched
+        # (hidden only where the cluster runs collectives under compute)
+        ahead = self.overlap and graph.nodes[src].kind is NodeKind.PARAM and not replayed and all(
+            self.first_use.get(graph.nodes[c].inputs[idx]) == c for c in instances)
         plain = times - replayed
         follows = self._follower(src, dst, idx) if len(out_groups) > 1 and len(in_groups) > 1 else None
         most_grad = 0.0
@@ -485,11 +495,12 @@ class _ILP:
                 if follows and not follows(p, key):
                     self.followed += 1
                     continue
-                f, b, on_links, grad_bytes, as_read, _ = self._pair(spec, key, members[0][1], idx, meta, backward,
-                                                                    bucket)
+                f, b, on_links, grad_bytes, as_read, _, gathered = self._pair(
+                    spec, key, members[0][1], idx, meta, backward, bucket)
                 held = 0.0 if regather else self._held(spec, key, meta, saved, src in self.read)
-                priced[p, key] = ((f + (0.0 if hides else b)) * US, f * again * US, held, grad_bytes,
-                                  on_links if hides else None, as_read)  # sync: per instance, link -> us
+                early = f if ahead and regather and gathered else 0.0  # priced where it is waited for: gather_rows
+                priced[p, key] = ((f - early + (0.0 if hides else b)) * US, f * again * US, held, grad_bytes,
+                                  on_links if hides else None, as_read, early * US)  # sync: per instance, link -> us
                 most_grad = max(most_grad, grad_bytes)
         for consumer in instances:
             self.grad_bound[consumer] += most_grad
@@ -500,10 +511,13 @@ class _ILP:
 
         def charge(terms, p, key):
             """``terms``: the variables whose sum says this edge uses (p, key)."""
-            unit, replay, held, grad_bytes, synced, as_read = priced[p, key]
+            unit, replay, held, grad_bytes, synced, as_read, early = priced[p, key]
             for v in terms:
                 if replay:
                     _add(objective, v, replay)
+                if early:
+                    for consumer in instances:
+                        self.gathers.gather(consumer, v, early)
                 if grad_bytes:
                     for consumer in instances:
                         _add(resharded.setdefault(consumer, {}), v, grad_bytes)
@@ -800,6 +814,26 @@ class _ILP:
             at_least.SetCoefficient(exposed, 1.0)
             at_least.SetCoefficient(total, -1.0)
             running = total
+
+    def gather_rows(self) -> None:
+        """The ZeRO-3 gathers in forward at the time they are waited for
+        (timeline.GatherWindow): the first point's whole, and at each later
+        point a variable at least its gathers less the forward compute since
+        the point before, and at least 0."""
+        model, inf = self.model, self.model.infinity()
+        for gathers, compute in self.gathers.points():
+            if compute is None:
+                for v, c in gathers.items():
+                    _add(self.objective, v, c)
+                continue
+            exposed = model.NumVar(0.0, inf, "")
+            _add(self.objective, exposed, 1.0)
+            row = model.Constraint(0.0, inf)  # exposed >= gathers - compute
+            row.SetCoefficient(exposed, 1.0)
+            for v, c in gathers.items():
+                row.SetCoefficient(v, row.GetCoefficient(v) - c)
+            for v, c in compute.items():
+                row.SetCoefficient(v, row.GetCoefficient(v) + c)
 
     def least_memory(self, rows: list, params, time_limit_s: float) -> float | None:
         """The same model, minimising memory without the budget: the least any

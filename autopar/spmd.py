@@ -418,7 +418,7 @@ def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = Fal
 
 # --- parameters gathered in buckets (ZeRO) ----------------------------------------
 
-def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tuple = ()) -> tuple:
+def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tuple = (), ahead=None) -> tuple:
     """Parameters held sharded over some mesh axes, gathered whole over them
     with one all-gather per axis for the bucket, the innermost axis first
     (``moves[k]``: shard k's "<from>-><to>", S(d) -> R on those axes, the
@@ -428,36 +428,60 @@ def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tu
     (FSDP2 groups its parameters per module the same way); on the axes in
     ``whole`` the ops that use them run whole on every rank, so their
     gradients are too: each rank takes its piece. ``regather`` (ZeRO-3):
-    the gathered copies are not kept for backward (``_Regather``)."""
+    the gathered copies are not kept for backward (``_Regather``).
+    ``ahead``: the bucket's first all-gather, started earlier by
+    ``prefetch_params``."""
     mesh = _mesh()
-    placed = tuple(_move(m, mesh.ndim) for m in moves)
-    axes = tuple(a for a in reversed(range(mesh.ndim)) if placed[0][0][a] != placed[0][1][a])
-    dims = tuple(tuple(src[a].dim for src, _ in placed) for a in axes)
+    axes, dims = _bucket_axes(moves, mesh)
     if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
-        out = _GatherBucket.apply(mesh, axes, dims, tuple(a in whole for a in axes), *shards)
+        out = _GatherBucket.apply(mesh, axes, dims, tuple(a in whole for a in axes), ahead, *shards)
     else:
         out = shards
-        for a, d in zip(axes, dims):
-            out = _gather(out, mesh, a, d)
+        for k, (a, d) in enumerate(zip(axes, dims)):
+            out = ahead() if k == 0 and ahead is not None else _gather(out, mesh, a, d)
     if regather and not getattr(_state, "in_checkpoint", False):
-        for shard, full, move in zip(shards, out, placed):
+        for shard, full, move in zip(shards, out, (_move(m, mesh.ndim) for m in moves)):
             _regather.add(shard, full, mesh, move)
     return out
 
 
-def _gather(shards, mesh, axis: int, dims) -> tuple:
-    """Each of ``shards`` gathered over mesh ``axis`` on its dim in ``dims``: one all-gather."""
+def prefetch_params(shards: tuple, moves: tuple):
+    """Start the first all-gather of a bucket that ``gather_params`` will
+    gather later (the emitted program starts the next ZeRO-3 module's where
+    it gathers one, as FSDP prefetches the next module in forward), so the
+    gather runs while the ops before that use compute; returns the call that
+    finishes it (``gather_params(..., ahead=)``)."""
+    mesh = _mesh()
+    axes, dims = _bucket_axes(moves, mesh)
+    return _gather(tuple(s.detach() for s in shards), mesh, axes[0], dims[0], async_op=True)
+
+
+def _bucket_axes(moves: tuple, mesh) -> tuple:
+    """(the mesh axes a bucket's moves gather over, innermost first; per axis, each shard's dim)."""
+    placed = tuple(_move(m, mesh.ndim) for m in moves)
+    axes = tuple(a for a in reversed(range(mesh.ndim)) if placed[0][0][a] != placed[0][1][a])
+    return axes, tuple(tuple(src[a].dim for src, _ in placed) for a in axes)
+
+
+def _gather(shards, mesh, axis: int, dims, async_op: bool = False):
+    """Each of ``shards`` gathered over mesh ``axis`` on its dim in ``dims``:
+    one all-gather (``async_op``: started; returns the call that finishes it)."""
     n = mesh.size(axis)
     flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
     out = flat.new_empty(n * flat.numel())
-    _all_gather(out, flat, group=mesh.get_group(axis))
-    parts, fulls, offset = out.view(n, -1), [], 0
-    for s, d in zip(shards, dims):
-        pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
-        # on dim 0 the pieces stack as they lie (a view of the buffer where it holds one tensor)
-        fulls.append(pieces.reshape(n * s.shape[0], *s.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d))
-        offset += s.numel()
-    return tuple(fulls)
+    work = _all_gather(out, flat, group=mesh.get_group(axis), async_op=async_op)
+
+    def finish() -> tuple:
+        if work is not None:
+            work.wait()
+        parts, fulls, offset = out.view(n, -1), [], 0
+        for s, d in zip(shards, dims):
+            pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
+            # on dim 0 the pieces stack as they lie (a view of the buffer where it holds one tensor)
+            fulls.append(pieces.reshape(n * s.shape[0], *s.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d))
+            offset += s.numel()
+        return tuple(fulls)
+    return finish if async_op else finish()
 
 
 def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple:
@@ -483,18 +507,18 @@ def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple
 
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, mesh, axes, dims, whole, *shards):
+    def forward(ctx, mesh, axes, dims, whole, ahead, *shards):
         ctx.mesh, ctx.axes, ctx.dims, ctx.whole, ctx.shapes = mesh, axes, dims, whole, []
-        for a, d in zip(axes, dims):
+        for k, (a, d) in enumerate(zip(axes, dims)):
             ctx.shapes.append([s.shape for s in shards])
-            shards = _gather(shards, mesh, a, d)
+            shards = ahead() if k == 0 and ahead is not None else _gather(shards, mesh, a, d)
         return shards
 
     @staticmethod
     def backward(ctx, *grads):
         for a, d, shapes, whole in reversed(list(zip(ctx.axes, ctx.dims, ctx.shapes, ctx.whole))):
             grads = _scatter(grads, ctx.mesh, a, d, shapes, whole)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
@@ -594,15 +618,8 @@ def _gather_ahead(note: _Note):
             isinstance(p, Shard) and p.dim == src[a].dim for b, p in enumerate(src) if b != a) \
             or any(type(c) is not int for c in note.mesh.get_coordinate()):
         return lambda: _redistribute(note.source.detach(), note.mesh, *note.move, True)  # parameters divide
-    shard, d, n = note.source.detach(), src[a].dim, note.mesh.size(a)
-    out = shard.new_empty(n * shard.numel())
-    work = _all_gather(out, shard.reshape(-1), group=note.mesh.get_group(a), async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        pieces = out.view(n, *shard.shape)
-        return pieces.reshape(n * shard.shape[0], *shard.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d)
-    return finish
+    finish = _gather((note.source.detach(),), note.mesh, a, (src[a].dim,), async_op=True)
+    return lambda: finish()[0]
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

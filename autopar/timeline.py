@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from autopar.cost_models.overlap import prefetched_chain
 from autopar.ir import Graph
 from autopar.passes.recompute import Recomputation
 
@@ -162,3 +163,55 @@ class SyncWindow:
             if running > worst:
                 worst, where = running, (link, index)
         return worst, where
+
+
+class GatherWindow:
+    """ZeRO-3 parameter gathers in forward, each started one module ahead.
+
+    The emitted program gathers a regathered parameter where it is first
+    used and, right after, starts the all-gather of the next one (codegen's
+    ``_prefetch``, FSDP's forward prefetch), so that gather runs while the
+    ops from this point up to its own use compute: at gather point i its
+    exposed time is
+
+        max(0, gathers at i  -  forward compute of the ops from point i-1 up to i)
+
+    and the first point's gathers are exposed whole. One gather is in flight
+    at a time, so the points do not queue behind each other. The points are
+    the first consumers of parameters that may be regathered (the ILP:
+    every such choice still open; a chosen plan: its regathered ones, and
+    ``point`` for the others it could have chosen), in program order.
+    """
+
+    def __init__(self, graph: Graph):
+        self.position = {name: k for k, name in enumerate(graph.nodes)}
+        self.forward = defaultdict(dict)  # position -> {key: seconds}
+        self.gathers = defaultdict(dict)  # position -> {key: seconds}
+
+    def compute(self, name: str, key, seconds: float) -> None:
+        add(self.forward[self.position[name]], key, seconds)
+
+    def gather(self, consumer: str, key, seconds: float) -> None:
+        """A parameter's all-gather for ``consumer``, its first use."""
+        self.point(consumer)
+        add(self.gathers[self.position[consumer]], key, seconds)
+
+    def point(self, consumer: str) -> None:
+        """A gather point, whether or not a gather is chosen there."""
+        self.gathers.setdefault(self.position[consumer], {})
+
+    def points(self):
+        """(gathers at the point, forward compute since the previous point or
+        None at the first) at each point, in program order."""
+        compute, first = {}, True
+        for k in range(len(self.position)):
+            if k in self.gathers:
+                yield self.gathers[k], None if first else compute
+                compute, first = {}, False
+            for key, t in self.forward.get(k, {}).items():
+                add(compute, key, t)
+
+    def exposed(self, value=lambda key: 1.0) -> float:
+        total = lambda table: sum(t * value(k) for k, t in table.items())  # noqa: E731
+        points = list(self.points())
+        return prefetched_chain([total(g) for g, _ in points], [total(c or {}) for _, c in points])

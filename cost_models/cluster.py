@@ -238,11 +238,13 @@ class Cluster:
     backend: Literal["nccl", "gloo"] = "nccl"
     """torch.distributed backend the programs use on this cluster."""
     overlap_grad_sync: bool = True
-    """Whether parameter-gradient synchronisation (the data-parallel all-reduce
-    or ZeRO reduce-scatter) runs under the rest of the backward compute, in
-    buckets, as PyTorch DDP and FSDP do on their own CUDA streams (Li et al.,
-    "PyTorch Distributed", VLDB 2020, sec. 3.2.3). False for gloo on CPU
-    ranks: the collectives run on the same cores as the compute."""
+    """Whether collectives started ahead run under compute: parameter-gradient
+    synchronisation (the data-parallel all-reduce or ZeRO reduce-scatter)
+    under the rest of the backward compute, in buckets, as PyTorch DDP and
+    FSDP do on their own CUDA streams (Li et al., "PyTorch Distributed", VLDB
+    2020, sec. 3.2.3), and ZeRO-3's parameter gathers in forward, one module
+    ahead (timeline.GatherWindow). False for gloo on CPU ranks: the
+    collectives run on the same cores as the compute."""
     source: str = ""
     """Where the numbers come from."""
     caveat: str = ""

@@ -73,8 +73,9 @@ def estimate_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-overlap-grad-reduce", action="store_true",
                       help="reduce the gradients after the backward instead of under it")
     plan.add_argument("--no-overlap-param-gather", action="store_true",
-                      help="ZeRO's parameter all-gathers block the compute that needs them instead of being "
-                           "prefetched (autopar's runtime today)")
+                      help="ZeRO's parameter all-gathers are not prefetched a layer ahead in forward and backward; "
+                           "as autopar's runtime runs them: ZeRO-3's forward gathers one weight's kernel ahead, "
+                           "the others blocking the compute that needs them")
     plan.add_argument("--kernels", choices=[k.value for k in Kernels], default=Kernels.MEGATRON.value,
                       help="element-wise kernels: megatron (Megatron-LM's fused ones; the default) or eager (one "
                            "per ATen op, as PyTorch eager and autopar's programs run them)")

@@ -60,3 +60,12 @@ def prefetched(comm: float, compute: float) -> float:
     """Exposed seconds of a transfer issued one step ahead, under ``compute``
     seconds of work that does not need it."""
     return max(0.0, comm - compute)
+
+
+def prefetched_chain(transfers: list, compute: list) -> float:
+    """Exposed seconds of a chain of transfers, each issued where the one
+    before it is waited for (one ahead, one in flight: FSDP's forward
+    prefetch; the emitted program's ZeRO-3 gathers in forward):
+    ``transfers[i]`` is needed at point i and ``compute[i]`` is the work
+    from point i - 1 up to point i; the first transfer waits whole."""
+    return sum(t if i == 0 else prefetched(t, c) for i, (t, c) in enumerate(zip(transfers, compute)))

@@ -44,7 +44,7 @@ from autopar.cost_models.collectives import (
     step_bucket_bytes,
 )
 from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
-from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched
+from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched, prefetched_chain
 from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Kernels, Recompute, TrainingPlan,
                                                   TransformerConfig, check_plan, stage_layers)
 
@@ -639,8 +639,8 @@ def _flat_program(plan: TrainingPlan) -> bool:
     return plan.kernels is Kernels.EAGER and plan.pp == 1 and plan.microbatches == 1
 
 
-def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> tuple[list, list]:
-    """(the weight tensors' parameters, backward seconds) of the first pipeline
+def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> tuple[list, list, list]:
+    """(the weight tensors' parameters, backward seconds, forward seconds) of the first pipeline
     stage's kernels in forward order, one microbatch: each weight GEMM's
     matrix and bias, each norm's scale and shift, the embedding's tables,
     the output layer's own weights (a tied one's gradient joins the
@@ -665,10 +665,11 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
 
     full = plan.recompute is Recompute.FULL
     table = padded_vocab(model, plan) * h / t
-    params, seconds = [], []
+    params, seconds, forward = [], [], []
     for i, k in enumerate(embedding_kernels(model, plan)):
         params.append([table] if i == 0 else [])
         seconds.append(backward(k, False))
+        forward.append(k.seconds(device, dtype)[0])
     if not model.swiglu:  # learned positions
         params[1 if len(params) > 1 else 0].append(model.seq * h)
     layer = layer_kernels(model, plan)
@@ -676,12 +677,14 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
         for k in layer:
             params.append(weights(k))
             seconds.append(backward(k, full or (plan.recompute is Recompute.SELECTIVE and k.attention_core)))
+            forward.append(k.seconds(device, dtype)[0])
     if plan.pp == 1:
         for k in head_kernels(model, plan):
             params.append(weights(k) if "norm" in k.name else
                           ([table] if k.name == "logits" and model.untied_embeddings else []))
             seconds.append(backward(k, False))
-    return params, seconds
+            forward.append(k.seconds(device, dtype)[0])
+    return params, seconds, forward
 
 
 def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, stage: StageTime) -> float:
@@ -710,7 +713,7 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     params = stage_params(model, plan, 0)
     kind = Collective.ALL_REDUCE if plan.zero == 0 else Collective.REDUCE_SCATTER
     if plan.overlap_grad_reduce:
-        pieces, bwd = _param_chain(model, plan, fabric.cluster)
+        pieces, bwd, _ = _param_chain(model, plan, fabric.cluster)
         syncs = [_collectives(kind, k, e, plan, fabric, params * e) for k in pieces]
         busy, stalled = _dp_link_traffic(plan, fabric, stage)
         busy_at = [b > 0 for b in bwd]  # other links' collectives stall the compute, not the sync, all along
@@ -725,11 +728,8 @@ def dp_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, sta
     if plan.zero in (1, 2) and plan.kernels is Kernels.EAGER:  # each weight gathered where it is used,
         pieces = _param_chain(model, plan, fabric.cluster)[0]  # a recomputed layer's again for it
         again = 2 if plan.recompute is Recompute.FULL else 1
-        layer = [False] * len(embedding_kernels(model, plan)) + [True] * (len(pieces) - len(embedding_kernels(
-            model, plan)) - (len(head_kernels(model, plan)) if plan.pp == 1 else 0))
-        layer += [False] * (len(pieces) - len(layer))
         return exposed + sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric, params * e)
-                             * (again if inside else 1) for k, inside in zip(pieces, layer))
+                             * (again if inside else 1) for k, inside in zip(pieces, _in_layers(model, plan, pieces)))
     if plan.zero in (1, 2):
         gather = _grad_sync(Collective.ALL_GATHER, params * e, fabric)
         first = min(gather, fabric.time(Collective.ALL_GATHER, min(GRAD_BUCKET_BYTES, params * e), "dp"))
@@ -784,10 +784,40 @@ def zero3_exposed(model: TransformerConfig, plan: TrainingPlan, fabric: Fabric, 
         rest = stage_params(model, plan, 0) * e - n * layer  # embedding and head: gathered first, reduced last
         per_mb += fabric.time(Collective.ALL_GATHER, rest, "dp") + fabric.time(Collective.REDUCE_SCATTER, rest, "dp")
         return plan.microbatches * per_mb
-    pieces, bwd_chain = _param_chain(model, plan, fabric.cluster)
-    gather = sum(_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces)
+    pieces, bwd_chain, fwd_chain = _param_chain(model, plan, fabric.cluster)
+    gathers = [_collectives(Collective.ALL_GATHER, k, e, plan, fabric) for k in pieces]
     scatter = [_collectives(Collective.REDUCE_SCATTER, k, e, plan, fabric) for k in pieces]
-    return plan.microbatches * 2 * gather + (plan.microbatches - 1) * sum(scatter) + exposed_sync(scatter, bwd_chain)
+    recomputed = [inside and plan.recompute is Recompute.FULL for inside in _in_layers(model, plan, pieces)]
+    return plan.microbatches * (_forward_gathers(gathers, fwd_chain, pieces, recomputed, fabric.cluster)
+                                + sum(gathers)) + (plan.microbatches - 1) * sum(scatter) + exposed_sync(scatter, bwd_chain)
+
+
+def _in_layers(model: TransformerConfig, plan: TrainingPlan, pieces: list) -> list:
+    """Per kernel of ``_param_chain``: whether it is inside a transformer layer (not the embedding or head)."""
+    before = len(embedding_kernels(model, plan))
+    after = len(head_kernels(model, plan)) if plan.pp == 1 else 0
+    return [before <= i < len(pieces) - after for i in range(len(pieces))]
+
+
+def _forward_gathers(gathers: list, forward: list, pieces: list, recomputed: list, cluster: Cluster) -> float:
+    """ZeRO-3's forward gathers as autopar's program runs them: each kernel's
+    weights' all-gather started where the kernel before it with weights
+    gathered its own, so under the forward compute from there up to it
+    (overlap.prefetched_chain, timeline.GatherWindow: the planner's rule);
+    inside a recomputed layer blocking, and all of them blocking where the
+    cluster does not run collectives under compute."""
+    if not cluster.overlap_grad_sync:
+        return sum(gathers)
+    chain, compute, since, blocking = [], [], 0.0, 0.0
+    for g, f, weights, again in zip(gathers, forward, pieces, recomputed):
+        if again:
+            blocking += g
+        elif weights:
+            chain.append(g)
+            compute.append(since)
+            since = 0.0
+        since += f
+    return blocking + prefetched_chain(chain, compute)
 
 
 def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster) -> float:

@@ -755,6 +755,50 @@ def test_a_regathered_modules_parameters_share_one_call():
                 bytes_only + launch_time(Collective(kind), links), rel=1e-9)
 
 
+def test_a_prefetched_gather_is_exposed_by_what_the_compute_since_the_gather_before_leaves():
+    """timeline.GatherWindow: the first gather point waits for its gathers whole; each later one's all-gather
+    started where the point before gathered, so the forward compute from that point up to this one hides it."""
+    from types import SimpleNamespace
+
+    from autopar.timeline import GatherWindow
+    window = GatherWindow(SimpleNamespace(nodes=dict.fromkeys("abcdef")))
+    for name, seconds in zip("abcdef", (1.0, 1.5, 0.2, 5.0, 0.5, 0.1)):
+        window.compute(name, None, seconds)
+    window.gather("b", None, 3.0)
+    window.gather("d", None, 2.0)  # hidden by b and c: 1.7 s
+    window.point("e")  # a point with no gather chosen: later ones start there
+    window.gather("f", None, 0.4)  # hidden by e alone
+    assert window.exposed() == pytest.approx(3.0 + (2.0 - 1.7) + 0.0)
+    window.gather("f", None, 0.3)
+    assert window.exposed() == pytest.approx(3.0 + 0.3 + (0.7 - 0.5))
+
+
+def test_zero3_gathers_in_forward_are_priced_prefetched_where_the_cluster_overlaps():
+    """The emitted program starts each ZeRO-3 module's all-gather where the module before it is gathered
+    (codegen ``_prefetch``); on a cluster that runs collectives under compute the plan and the ILP price
+    the forward gathers at what the compute between leaves exposed (at least the first module's), and on one
+    that does not (gloo on CPU ranks) whole. Between the two the step differs by exactly the hidden gathers
+    and the hidden gradient sync."""
+    model, plan = _mlp_plan(["S(0)", "regather"], cluster="dgx-a100")
+    p = plan.predicted
+    gathers = _parameter_moves(plan, "forward", "all_gather")
+    first = [c for c in gathers if c["tensor"].startswith("layers.0.")]
+    assert len(gathers) == 8 and len(first) == 2
+    assert p["prefetched_gather_s"] == pytest.approx(sum(c["seconds"] for c in gathers), rel=1e-9)
+    assert sum(c["seconds"] for c in first) <= p["prefetched_gather_exposed_s"] * (1 + 1e-9)
+    assert p["prefetched_gather_exposed_s"] < p["prefetched_gather_s"]  # some hidden under the MLP's GEMMs
+    step_overhead = get_cluster("dgx-a100").device.step_overhead
+    assert plan.solver["objective"] + step_overhead == pytest.approx(p["step_time_s"], rel=1e-6)
+    serial = dataclasses.replace(get_cluster("dgx-a100"), overlap_grad_sync=False)
+    assert isinstance(serial, Cluster)
+    _, flat = _mlp_plan(["S(0)", "regather"], cluster=serial)
+    q = flat.predicted
+    assert q["prefetched_gather_s"] == q["prefetched_gather_exposed_s"] == 0.0
+    hidden = (p["prefetched_gather_s"] - p["prefetched_gather_exposed_s"]) + (p["grad_sync_s"] - p["grad_sync_exposed_s"])
+    assert q["step_time_s"] - p["step_time_s"] == pytest.approx(hidden, rel=1e-6)
+    assert flat.solver["objective"] + step_overhead == pytest.approx(q["step_time_s"], rel=1e-6)
+
+
 def test_pipeline_stages_price_their_once_per_step_reductions_in_buckets():
     """A pipeline stage reduces its accumulated gradients once per step in buckets
     (gradsync.GradAccumulation.reduce), so the stage ILP prices them as the flat program's: each

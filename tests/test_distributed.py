@@ -410,8 +410,8 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     back without its all-reduce waited for and reads as one device's. Then a
     GPT's parameters held sharded over the first axis of 2x2 (ZeRO-2 and
     ZeRO-3): gathered in buckets (one all-gather for all ZeRO-2 parameters,
-    one per module for ZeRO-3; ZeRO-3's gathers in backward started ahead of
-    their use), their gradients reduce-scattered per bucket,
+    one per module for ZeRO-3; ZeRO-3's gathers started ahead of their use,
+    in forward one module ahead and in backward), their gradients reduce-scattered per bucket,
     equal one device's; and held sharded over both axes on one dim, gathered
     over both in one bucket (an all-gather per axis), on two clusters: one
     where the blocks split their work over both axes (the gradients
@@ -439,6 +439,11 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     # ZeRO-3 in backward: every gather but each backward's first (8 backwards) started ahead of its use
     regathered, ahead = (int(v) for v in lines[5].split("regathers ")[1].split(",")[0].split(" prefetched "))
     assert regathered > 8 and ahead == regathered - 8, lines[5]
+    # ZeRO-3 in forward: every module's bucket but each forward's first (8 forwards, no_grad ones too)
+    # gathered by an all-gather started where the bucket before it was gathered
+    for line, zero3_buckets in ((lines[4], False), (lines[5], True)):
+        buckets, ahead = (int(v) for v in line.split("forward ZeRO-3 buckets ")[1].split(",")[0].split(" prefetched "))
+        assert (buckets > 8 and ahead == buckets - 8) if zero3_buckets else buckets == ahead == 0, line
     # one bucket over both axes: two all-gathers per forward; its gradients summed, then taken whole
     assert len(both) == len(whole) == 16 and min(both) > 2 and min(whole) > 2, lines[6:]
     assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]

@@ -153,6 +153,39 @@ def test_the_program_syncs_the_gradients_the_plan_prices():
     assert any(summed[name] != {0, 1} for name in replicated), summed  # some are whole on y
 
 
+def test_the_program_prefetches_each_zero3_module_where_it_gathers_the_one_before():
+    """ZeRO-3 (every parameter pinned "S(0) regather"): one gather per module, its first all-gather started
+    where the module before it is gathered (``prefetch_params``, finished by ``gather_params(...,
+    ahead=)``), bias-free modules (one parameter) too; the first module's gather is not prefetched. The plan
+    prices each module's gather where the program waits for it (``prefetched_gather_s``: all of them)."""
+    import re
+
+    import torch.nn as nn
+    from autopar.capture import capture
+    from autopar.codegen import build_program, program_source
+    from autopar.pinned import compile_pinned
+    model, inputs, loss = _meta_gpt(layers=2, hidden=256, seq=64, batch=16)
+    tail = nn.Linear(8, 8, bias=False)  # and a model of bias-free layers, one parameter per module
+    cases = ((model, inputs, loss), (nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False), nn.ReLU(), tail),
+                                     (torch.randn(16, 8), torch.randn(16, 8)), torch.nn.functional.mse_loss))
+    for model, inputs, loss in cases:
+        pins = {fqn: ["S(0)", "regather"] for fqn, _ in model.named_parameters()}
+        plan = compile_pinned(model, inputs, mesh="4", cluster="dgx-a100", loss_fn=loss, parameter_placements=pins,
+                              input_placements={0: ["S(0)"], 1: ["S(0)"]})
+        program = program_source(build_program(capture(model, inputs, loss), plan), plan)
+        gathered = re.findall(r"gathered_(\d+) = autopar_spmd_gather_params\(.*\), True(?:, whole = [^=]*)?"
+                              r"(, ahead = ahead_(\d+))?\)", program)
+        assert len(gathered) == len({fqn.rpartition(".")[0] for fqn in plan.parameters}) >= 3, program
+        assert gathered[0][1] == "" and all(ahead == k for k, _, ahead in gathered[1:]), gathered
+        lines = program.splitlines()
+        for k, _, _ in gathered[1:]:  # started right after the bucket before it was gathered
+            start = next(i for i, line in enumerate(lines) if f"ahead_{k} = autopar_spmd_prefetch_params(" in line)
+            assert f"gathered_{int(k) - 1} = autopar_spmd_gather_params(" in lines[start - 1], lines[start - 1]
+        forward = sum(c["seconds"] for c in plan.collectives if c["phase"] == "forward"
+                      and c["kind"] == "all_gather" and c["tensor"] in plan.parameters)
+        assert plan.predicted["prefetched_gather_s"] == pytest.approx(forward, rel=1e-9)
+
+
 def test_layer_classes_peel_instances_off_the_ends():
     from autopar.capture import capture
     from autopar.passes.layer_classes import deeper_ends, layer_classes, repeated_layers
