@@ -5,7 +5,8 @@ their parameters:
 
 - during backward (a flat plan's step): ``GradSync``, DDP's reducer's way,
   buckets all-reduced asynchronously as their gradients are made, waited
-  for at the end of backward; ``grad_sync`` opens it for one forward;
+  for at the end of backward, and ZeRO buckets' reduce-scatters with them;
+  ``grad_sync`` opens it for one forward;
 - after the last microbatch (a pipeline step): ``GradAccumulation`` defers
   each microbatch's reduction and reduces the sums once, per mesh axis as
   one flat buffer cut in buckets (``in_buckets``), and ``OptimizerShard``
@@ -269,7 +270,14 @@ class GradSync:
 
     A gradient accumulated over several backwards keeps its exact sum: the
     ``.grad`` already there is set aside before the new one is accumulated,
-    and added back to the reduced new one (as one device adds them)."""
+    and added back to the reduced new one (as one device adds them).
+
+    The reduce-scatters of parameters gathered in buckets (ZeRO:
+    ``spmd.gather_params``) whose pieces are their shards' whole gradients
+    are started where backward makes the bucket's gradients and waited for
+    here too (``scattered``), as FSDP2 does, so they run while backward goes
+    on: the overlap the cost model prices where the cluster runs collectives
+    under compute."""
 
     def __init__(self, mesh, bucket_bytes: int):
         self.mesh, self.bucket_bytes = mesh, bucket_bytes
@@ -280,6 +288,7 @@ class GradSync:
         self.launched = 0
         self.queued = False
         self.pending: list = []  # outputs still being summed (output(), _SumLater)
+        self.scatters: list = []  # (shards, the call that finishes their reduce-scatter), in backward's order
 
     def add(self, local: torch.Tensor, axes: tuple) -> None:
         local._autopar_sync = self  # until a later forward's, so a backward through this graph reduces here
@@ -306,14 +315,24 @@ class GradSync:
             bucket.nbytes += local.numel() * local.element_size()
         return buckets
 
-    def arriving(self, local: torch.Tensor) -> None:
-        """A gradient for ``local`` is about to be accumulated."""
+    def _queue(self) -> None:
+        """The end of this backward waits for what it started (``finish``)."""
         if not self.queued:
             self.queued = True
             self.buckets = self._plan()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def arriving(self, local: torch.Tensor) -> None:
+        """A gradient for ``local`` is about to be accumulated."""
+        self._queue()
         if local.grad is not None:
             self.stashed[local], local.grad = local.grad, None
+
+    def scattered(self, shards: tuple, finish) -> None:
+        """The reduce-scatter of ``shards``' gradients is started; ``finish()``
+        gives their pieces, added to ``.grad`` at the end of backward."""
+        self._queue()
+        self.scatters.append((shards, finish))
 
     def accumulated(self, local: torch.Tensor) -> None:
         self.ready.add(local)
@@ -343,10 +362,16 @@ class GradSync:
                     if m in self.stashed:
                         m.grad = self.stashed.pop(m).add_(m.grad)
                 offset += n
+        for shards, done in self.scatters:
+            for shard, piece in zip(shards, done()):
+                if shard.grad is None:
+                    shard.grad = piece
+                else:
+                    shard.grad.add_(piece)
         for value in self.pending:
             value.wait()
         # ready for another backward through the same graph (retain_graph=True)
-        self.buckets, self.ready, self.launched, self.queued = None, set(), 0, False
+        self.buckets, self.ready, self.launched, self.queued, self.scatters = None, set(), 0, False, []
 
 
 @dataclass

@@ -50,21 +50,27 @@ _backend_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", No
     or torch.distributed.reduce_scatter_tensor
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
     """``out`` = this rank's 1/n of ``flat`` summed over ``group``. On gloo
     as one pairwise exchange (each rank sends rank j its j-th piece:
     all_to_all) and a local sum of the n pieces received: gloo's own
     reduce-scatter clones the whole buffer and all-reduces it
     (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.13), twice
     the bytes and 2(n - 1) ring latencies. The cost model prices it so
-    (``AxisLinks.pairwise_reduce_scatter``)."""
+    (``AxisLinks.pairwise_reduce_scatter``). ``async_op``: started; returns
+    the call that finishes it."""
     if torch.distributed.get_backend(group) != "gloo":
-        _backend_reduce_scatter(out, flat, group=group)
-        return
+        work = _backend_reduce_scatter(out, flat, group=group, async_op=async_op)
+        return work.wait if async_op else None
     n = torch.distributed.get_world_size(group)
     pieces = torch.empty_like(flat, memory_format=torch.contiguous_format)
-    torch.distributed.all_to_all_single(pieces, flat.contiguous(), group=group)
-    torch.sum(pieces.view(n, -1), dim=0, out=out.view(-1))
+    work = torch.distributed.all_to_all_single(pieces, flat.contiguous(), group=group, async_op=async_op)
+
+    def finish() -> None:
+        if work is not None:
+            work.wait()
+        torch.sum(pieces.view(n, -1), dim=0, out=out.view(-1))
+    return finish if async_op else finish()
 
 _state = threading.local()
 
@@ -425,7 +431,10 @@ def gather_params(shards: tuple, moves: tuple, regather: bool = False, whole: tu
     same axes for every shard); in backward their gradients, partial sums
     over the axes, are reduce-scattered back into the shards with one
     reduce-scatter per axis for the bucket, once the last of them is ready
-    (FSDP2 groups its parameters per module the same way); on the axes in
+    (FSDP2 groups its parameters per module the same way), and where one
+    reduce-scatter gives the shards' whole gradients, in a step with a
+    ``GradSync``, it is waited for at the end of backward
+    (``GradSync.scattered``), not where it starts; on the axes in
     ``whole`` the ops that use them run whole on every rank, so their
     gradients are too: each rank takes its piece. ``regather`` (ZeRO-3):
     the gathered copies are not kept for backward (``_Regather``).
@@ -484,10 +493,11 @@ def _gather(shards, mesh, axis: int, dims, async_op: bool = False):
     return finish if async_op else finish()
 
 
-def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple:
+def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False, async_op: bool = False):
     """``_gather``'s backward: each rank's piece of the sum of ``grads`` over
     mesh ``axis``, shaped ``shapes``: one reduce-scatter (``whole``: every
-    rank has the sum already; its piece)."""
+    rank has the sum already; its piece). ``async_op``: the reduce-scatter
+    started; returns the call that finishes it and gives the pieces."""
     n = mesh.size(axis)
     if whole:
         mine = mesh.get_local_rank(axis)
@@ -496,19 +506,29 @@ def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False) -> tuple
     blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)]
     rows = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
     mine = rows.new_empty(rows.shape[1])
-    _reduce_scatter(mine, rows.reshape(-1), group=mesh.get_group(axis))
-    out, offset = [], 0
-    for shape in shapes:
-        k = math.prod(shape)
-        out.append(mine[offset:offset + k].view(shape))
-        offset += k
-    return tuple(out)
+    started = _reduce_scatter(mine, rows.reshape(-1), group=mesh.get_group(axis), async_op=async_op)
+
+    def finish() -> tuple:
+        if started is not None:
+            started()
+        out, offset = [], 0
+        for shape in shapes:
+            k = math.prod(shape)
+            out.append(mine[offset:offset + k].view(shape))
+            offset += k
+        return tuple(out)
+    return finish if async_op else finish()
 
 
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mesh, axes, dims, whole, ahead, *shards):
         ctx.mesh, ctx.axes, ctx.dims, ctx.whole, ctx.shapes = mesh, axes, dims, whole, []
+        sync = getattr(_state, "grad_sync", None) if getattr(_state, "accumulation", None) is None else None
+        # one reduce-scatter whose pieces are the shards' whole gradients: left to the step's GradSync
+        ctx.later = sync if sync is not None and len(axes) == 1 and not whole[0] and all(
+            s.requires_grad and s not in sync.params for s in shards) else None
+        ctx.leaves = shards if ctx.later is not None else ()
         for k, (a, d) in enumerate(zip(axes, dims)):
             ctx.shapes.append([s.shape for s in shards])
             shards = ahead() if k == 0 and ahead is not None else _gather(shards, mesh, a, d)
@@ -516,6 +536,10 @@ class _GatherBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.later is not None:  # started here, waited for at the end of backward
+            ctx.later.scattered(ctx.leaves, _scatter(grads, ctx.mesh, ctx.axes[0], ctx.dims[0], ctx.shapes[0],
+                                                     async_op=True))
+            return (None,) * (5 + len(grads))
         for a, d, shapes, whole in reversed(list(zip(ctx.axes, ctx.dims, ctx.shapes, ctx.whole))):
             grads = _scatter(grads, ctx.mesh, a, d, shapes, whole)
         return (None, None, None, None, None, *grads)

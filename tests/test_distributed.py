@@ -412,7 +412,8 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     ZeRO-3): gathered in buckets (one all-gather for all ZeRO-2 parameters,
     one per module for ZeRO-3; ZeRO-3's gathers started ahead of their use,
     in forward one module ahead and in backward), their gradients reduce-scattered per bucket,
-    equal one device's; and held sharded over both axes on one dim, gathered
+    equal one device's, and on a 1-D mesh their reduce-scatters started in backward and waited for at its
+    end; and held sharded over both axes on one dim, gathered
     over both in one bucket (an all-gather per axis), on two clusters: one
     where the blocks split their work over both axes (the gradients
     reduce-scattered over both) and one where they run whole on every rank
@@ -423,7 +424,8 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     lines = [line for line in proc.stdout.splitlines() if "buckets" in line]
     assert [line.split(":")[0] for line in lines] == ["4 26214400", "4 1024", "2x2 26214400", "2x2 1024",
                                                       "2x2 26214400 S(0) R", "2x2 26214400 S(0) R regather",
-                                                      "2x2 26214400 S(0) S(0)", "2x2 26214400 S(0) S(0)"]
+                                                      "2x2 26214400 S(0) S(0)", "2x2 26214400 S(0) S(0)",
+                                                      "4 26214400 S(0)", "4 26214400 S(0) regather"]
     for line in lines:
         assert float(line.split("grad rel err ")[1]) <= TOL, line
     for line in lines[:6]:
@@ -433,7 +435,7 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     gathers, sliced = ([json.loads(line.split(f"{what} ")[1].split("]")[0] + "]") for line in lines]
                        for what in ("gathers", "sliced"))
     assert gathers[:4] == [[]] * 4, lines
-    zero2, zero3, both, whole = gathers[4:]
+    zero2, zero3, both, whole = gathers[4:8]
     assert len(zero2) == 8 and min(zero2) > 2, lines[4]  # every forward (a no_grad one too): one bucket
     assert len(zero3) > len(zero2) and min(zero3) >= 2, lines[5]  # a bucket per module
     # ZeRO-3 in backward: every gather but each backward's first (8 backwards) started ahead of its use
@@ -447,6 +449,11 @@ def test_bucketed_gradient_sync_accumulates_like_one_device():
     # one bucket over both axes: two all-gathers per forward; its gradients summed, then taken whole
     assert len(both) == len(whole) == 16 and min(both) > 2 and min(whole) > 2, lines[6:]
     assert sliced[6] == [] and len(sliced[7]) > 0 and min(sliced[7]) > 2, lines[6:]
+    # on one axis each bucket's reduce-scatter gives whole gradients: started in backward, waited for at its
+    # end (a bucket per backward for ZeRO-2, a bucket per module for ZeRO-3); over 2x2 they are summed on
+    late = [int(line.split("scatters waited at the end ")[1].split(",")[0]) for line in lines]
+    per_module = int(lines[9].split("forward ZeRO-3 buckets ")[1].split(" ")[0])  # 8 forwards, as many backwards
+    assert late[:8] == [0] * 8 and late[8] == 8 and late[9] == per_module > 8, lines[8:]
     assert "direct moves: 10 equal DTensor's" in proc.stdout
     assert "flattened groups: 2 as numbered" in proc.stdout
 
