@@ -645,7 +645,12 @@ class _ILP:
     def prune_dominated(self, budget: float | None, pinned: dict | None, most: float | None = None) -> dict:
         """Fix off dominated choices before solving: where memory cannot bind,
         a regathered (ZeRO-3) parameter costs what its stage-2 twin costs plus
-        one more all-gather in backward, and saves only memory. ``most`` is
+        one more all-gather in backward, and saves only memory. (Its forward
+        gather may hide where the stage-2 one cannot, prefetched
+        ``gather_rows``, but by no more than that gather, which the blocking
+        one in backward pays again; its bucket's call is shared by fewer
+        bytes. Pricing the backward gather hidden too would break this: then
+        ZeRO-2 needs its gathers prefetched alike first.) ``most`` is
         the most memory any plan could take (each node's and edge's largest
         choice; computed here once the edges are built, else ``memory_bound``'s
         bound before, so that the pruned choices get no edge variables);
