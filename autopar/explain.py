@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from torch.distributed.tensor import Shard
 
 from autopar.errors import AutoparError, PlanError
+from autopar.ir import NodeKind
 from autopar.passes.strategy import Strategy, fmt_spec
 from autopar.plan import Plan
 from autopar.report import fmt_bytes
@@ -101,6 +102,10 @@ class Explanation:
     overlaps them with backward), from the plan's prediction."""
     stage: str = ""
     """For a pipelined plan: the submesh its stages' nodes were planned on."""
+    prefetch: tuple | None = None
+    """For a ZeRO-3 parameter: (seconds of the step's prefetched forward
+    gathers, seconds of them left exposed, whether the cluster overlaps
+    them with compute), from the plan's prediction."""
 
     @property
     def chosen(self) -> Candidate:
@@ -175,11 +180,18 @@ def _resolve(plan: Plan, graph, target: str) -> tuple[str, str | None]:
     raise AutoparError(f"the plan has no node or parameter named {target!r}{hint}")
 
 
-def _planned_strategy(plan_node, strategies: list, ndim: int) -> Strategy:
+def _planned_strategy(plan_node, text: str, strategies: list, ndim: int) -> Strategy:
     for s in strategies:
-        if str(s) == plan_node.strategy:
+        if str(s) == text:
             return s
     return plan_node.placed(ndim)
+
+
+def _strategy_text(plan: Plan, plan_node, graph_node) -> str:
+    """A node's planned strategy as ``Strategy`` prints it: a parameter's
+    ZeRO-3 ("regather") and offload choices are in ``plan.parameters``."""
+    info = plan.parameters.get(graph_node.fqn, {}) if graph_node.kind is NodeKind.PARAM else {}
+    return plan_node.strategy + " regather" * bool(info.get("regather")) + " offload" * bool(info.get("offload"))
 
 
 def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = None) -> Explanation:
@@ -213,12 +225,13 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     kept_share, read = kept_outputs(graph)
     planned = {n.name: n for n in plan.nodes}
     node = graph.nodes[name]
-    chosen_text = planned[name].strategy
+    chosen_text = _strategy_text(plan, planned[name], node)
 
     def planned_of(other: str) -> Strategy:
         if other not in planned:
             raise PlanError(f"node {other!r} is in the model but not in the plan; recompile the plan")
-        return _planned_strategy(planned[other], strategies[other], mesh.ndim)
+        return _planned_strategy(planned[other], _strategy_text(plan, planned[other], graph.nodes[other]),
+                                 strategies[other], mesh.ndim)
 
     uses = graph.consumers()
     consumers = uses[name]
@@ -305,9 +318,12 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     pred = plan.predicted
     sync = (pred.get("grad_sync_s", 0.0), pred.get("grad_sync_exposed_s", 0.0),
             bool((plan.cluster or {}).get("overlap_grad_sync", True))) if fqn else None
+    regathered = bool(fqn and plan.parameters.get(fqn, {}).get("regather"))
+    prefetch = (pred.get("prefetched_gather_s", 0.0), pred.get("prefetched_gather_exposed_s", 0.0),
+                bool((plan.cluster or {}).get("overlap_grad_sync", True))) if regathered and not stage else None
     return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget,
                        None if stage else sync,
-                       ",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)) if stage else "")
+                       ",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)) if stage else "", prefetch)
 
 
 def _transfers(neighbour: str, direction: str, node: str, fwd, bwd, axis_names, shared_with: list,
@@ -390,6 +406,16 @@ def format_explanation(e: Explanation, *, limit: int = 12) -> str:
                     "left to hide under)") if exposed else "all hidden"
             out.append(f"  gradient sync: under the backward still to come; the step's {fmt_s(total)} of them "
                        f"{left}")
+    if e.prefetch and any(t.phase == "forward" and t.direction == "out" and t.kind == "all_gather"
+                          for t in ch.transfers):
+        total, exposed, overlap = e.prefetch
+        if not overlap:
+            out.append("  forward gather (ZeRO-3): started where the module before it is gathered, but this cluster "
+                       "does not overlap collectives with compute: priced whole")
+        else:
+            out.append(f"  forward gather (ZeRO-3): started where the module before it is gathered, under the compute "
+                       f"in between; the step's {fmt_s(total)} of them {fmt_s(exposed)} exposed (the first "
+                       "module's waits whole)")
     if nxt is None:
         out.append("it is the only candidate")
         return "\n".join(out)

@@ -570,6 +570,25 @@ def test_explain_says_where_a_parameters_gradient_sync_runs(gpt_plan):
     assert "gradient sync:" not in explain(gpt_plan, "linear")
 
 
+def test_explain_says_a_zero3_parameters_forward_gather_is_prefetched():
+    """A ZeRO-3 parameter (pinned "S(0) regather") is explained as the ZeRO-3 candidate it is (the plan keeps
+    the flag in its parameters, not in the node's strategy), with a line with the step's prefetched forward gathers and
+    how much of them the plan leaves exposed; on a cluster that does not overlap collectives, that they are
+    priced whole; a replicated parameter gets none."""
+    pins = {f"layers.{i}.{w}": ["S(0)", "regather"] for i in range(2) for w in ("weight", "bias")}
+    plan = _compile("mlp.py:small", 4, parameter_placements=pins)
+    pred = plan.predicted
+    assert 0 < pred["prefetched_gather_exposed_s"] < pred["prefetched_gather_s"]
+    assert str(explain_node(plan, "layers.1.weight").chosen.strategy) == "() -> S(0) regather"  # from parameters
+    text = explain(plan, "layers.1.weight")
+    assert (f"forward gather (ZeRO-3): started where the module before it is gathered, under the compute in "
+            f"between; the step's {fmt_s(pred['prefetched_gather_s'])} of them "
+            f"{fmt_s(pred['prefetched_gather_exposed_s'])} exposed") in text, text
+    plain = Plan.from_json(dict(copy.deepcopy(plan.to_json()), cluster=dict(plan.cluster, overlap_grad_sync=False)))
+    assert "does not overlap collectives with compute: priced whole" in explain(plain, "layers.1.weight")
+    assert "forward gather" not in explain(_compile("mlp.py:small", 4), "layers.1.weight")
+
+
 def test_explain_prices_the_chosen_strategy_as_the_plan_does(gpt_plan):
     e = explain_node(gpt_plan, "linear")
     assert e.runner_up.total_s >= e.chosen.total_s
