@@ -316,11 +316,11 @@ def explain_node(plan: Plan, target: str, *, graph=None, source: str | None = No
     for c in candidates:
         c.over_budget = bool(budget) and peak - chosen_memory + c.memory_bytes > budget
     pred = plan.predicted
-    sync = (pred.get("grad_sync_s", 0.0), pred.get("grad_sync_exposed_s", 0.0),
-            bool((plan.cluster or {}).get("overlap_grad_sync", True))) if fqn else None
+    overlap = bool((plan.cluster or {}).get("overlap_grad_sync", True))
+    sync = (pred.get("grad_sync_s", 0.0), pred.get("grad_sync_exposed_s", 0.0), overlap) if fqn else None
     regathered = bool(fqn and plan.parameters.get(fqn, {}).get("regather"))
     prefetch = (pred.get("prefetched_gather_s", 0.0), pred.get("prefetched_gather_exposed_s", 0.0),
-                bool((plan.cluster or {}).get("overlap_grad_sync", True))) if regathered and not stage else None
+                overlap) if regathered and not stage else None
     return Explanation(target, name, node.op_name, node.fqn, fqn, producers, consumer_specs, candidates, budget,
                        None if stage else sync,
                        ",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)) if stage else "", prefetch)

@@ -657,7 +657,8 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     # gradient sync under the backward compute left to run, where the cluster overlaps them
     exposed_sync = window.exposed() if ctx.cluster.overlap_grad_sync else sync_s
     prefetched = sum(sum(g.values()) for g, _ in gathers.points())  # ZeRO-3's gathers in forward
-    comm += gathers.exposed()
+    prefetched_exposed = gathers.exposed()
+    comm += prefetched_exposed
     step = compute + comm - sync_s + exposed_sync
     # Activations: those alive at the op whose backward needs the most with
     # its working set (autopar/timeline.py); gradients build up in backward
@@ -670,7 +671,7 @@ def build_plan(graph: Graph, chosen: dict, strategies: dict, ctx: CostContext, m
     predicted = {
         "step_time_s": step, "compute_s": compute, "comm_s": comm - sync_s + exposed_sync, "bubble_s": 0.0,
         "optimizer_s": optimizer_s, "grad_sync_s": sync_s, "grad_sync_exposed_s": exposed_sync,
-        "prefetched_gather_s": prefetched, "prefetched_gather_exposed_s": gathers.exposed(),
+        "prefetched_gather_s": prefetched, "prefetched_gather_exposed_s": prefetched_exposed,
         "peak_memory_bytes": peak, "memory": memory,
         "memory_capacity_bytes": ctx.cluster.device.memory,
         **_host_memory(graph, chosen, ctx),

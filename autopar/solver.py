@@ -294,9 +294,9 @@ class _ILP:
                 moved = sum(m.seconds for m in mf) * (2 if again else 1) + sum(m.seconds for m in mb)
                 v = self.x[r][i]
                 _add(self.objective, v, (f + b + opt + moved) * US)
-                if self.overlap:
+                if self.overlap:  # where collectives run under compute: what hides them
                     self.window.compute(name, v, b * US)
-                self.gathers.compute(name, v, f * US)
+                    self.gathers.compute(name, v, f * US)
                 _add(self.always, v, kept_all)
                 _add(self.mem, v, kept_all + acts)
                 _add(self.late, v, later)

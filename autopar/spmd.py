@@ -501,7 +501,8 @@ def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False, async_op
     n = mesh.size(axis)
     if whole:
         mine = mesh.get_local_rank(axis)
-        return tuple(g.chunk(n, dim=d)[mine].contiguous().view(shape) for g, d, shape in zip(grads, dims, shapes))
+        pieces = tuple(g.chunk(n, dim=d)[mine].contiguous().view(shape) for g, d, shape in zip(grads, dims, shapes))
+        return (lambda: pieces) if async_op else pieces
     # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
     blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)]
     rows = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]

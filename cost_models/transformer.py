@@ -659,31 +659,31 @@ def _param_chain(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster)
             return [rows * cols] + ([cols] if bias else [])
         return [h] * (norm // h) if "norm" in k.name else []
 
-    def backward(k: Kernel, recomputed: bool) -> float:
+    params, seconds, forward = [], [], []
+
+    def timed(k: Kernel, recomputed: bool) -> None:
+        """The kernel's forward seconds, and its backward's (with the forward again where recomputed)."""
         f, b = k.seconds(device, dtype)
-        return b + (f if recomputed else 0.0)
+        forward.append(f)
+        seconds.append(b + (f if recomputed else 0.0))
 
     full = plan.recompute is Recompute.FULL
     table = padded_vocab(model, plan) * h / t
-    params, seconds, forward = [], [], []
     for i, k in enumerate(embedding_kernels(model, plan)):
         params.append([table] if i == 0 else [])
-        seconds.append(backward(k, False))
-        forward.append(k.seconds(device, dtype)[0])
+        timed(k, False)
     if not model.swiglu:  # learned positions
         params[1 if len(params) > 1 else 0].append(model.seq * h)
     layer = layer_kernels(model, plan)
     for _ in range(stage_layers(model, plan)[0]):
         for k in layer:
             params.append(weights(k))
-            seconds.append(backward(k, full or (plan.recompute is Recompute.SELECTIVE and k.attention_core)))
-            forward.append(k.seconds(device, dtype)[0])
+            timed(k, full or (plan.recompute is Recompute.SELECTIVE and k.attention_core))
     if plan.pp == 1:
         for k in head_kernels(model, plan):
             params.append(weights(k) if "norm" in k.name else
                           ([table] if k.name == "logits" and model.untied_embeddings else []))
-            seconds.append(backward(k, False))
-            forward.append(k.seconds(device, dtype)[0])
+            timed(k, False)
     return params, seconds, forward
 
 
