@@ -122,9 +122,13 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             "was still being built, or there was too little time left to solve it); raise it with time_limit_s= "
             "(autopar compile --time-limit)", status="TIME LIMIT") from None
     ilp.min_solve_s = SOLVE_AFTER_BUILD * built
-    result, status, params = ilp.solve(left(), relative_gap)
-    if result is not None and ilp.overlap:
-        result = ilp.price_exposed_sync(result, params, left(), relative_gap)
+    try:
+        result, status, params = ilp.solve(left(), relative_gap)
+        if result is not None and ilp.overlap:
+            result = ilp.price_exposed_sync(result, params, left(), relative_gap)
+    finally:
+        if ilp.rival is not None:  # not needed: the first solve's plan hides its sync (or it has no plan)
+            ilp.rival.stop()
     wall = time.perf_counter() - t0
     if result is None:
         if status == pywraplp.Solver.INFEASIBLE and memory_budget is not None:
@@ -257,6 +261,7 @@ class _ILP:
         self.by_lp = 0  # solves the LP relaxation answered (``run``)
         self.min_solve_s = 0.0  # the least time a MIP solve is started with (``SOLVE_AFTER_BUILD``)
         self.out_of_time = False  # a solve not started for lack of time
+        self.rival: _Rival | None = None  # the model with its exposed sync, solved in a forked process
 
     def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
         """x[n][s]: one binary per strategy of each representative, exactly one
@@ -369,10 +374,13 @@ class _ILP:
             # producer instances behind the same edges pay together: with
             # clustered layers, one edge's choice may cover a few of them
             # (the last layer feeding the head) and another's the rest
-            covers: dict = {}
-            for inst in made:
-                covers.setdefault(tuple(k for k, (_, behind) in enumerate(selections) if inst in behind),
-                                  []).append(inst)
+            if len(made) == 1:  # (unclustered) behind every selection: each one's ``behind`` is not empty
+                covers = {tuple(range(len(selections))): list(made)}
+            else:
+                covers = {}
+                for inst in made:
+                    covers.setdefault(tuple(k for k, (_, behind) in enumerate(selections) if inst in behind),
+                                      []).append(inst)
             for cover, insts in covers.items():
                 kept = copies.values() if len(covers) == 1 else [copies[i] for i in insts if i in copies]
                 self._pay([selections[k][0] for k in cover], seconds_us * len(insts), kept)
@@ -698,6 +706,8 @@ class _ILP:
         obj.SetMinimization()
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
+        if self.overlap and self.window.syncs:  # the model with its exposed sync, solved at once beside this one
+            self.rival = _Rival.start(self, params, time_limit_s)
         status = self.run(params, time_limit_s)
         return (self.snapshot(_NAMES[status]) if status in _OK else None), status, params
 
@@ -744,14 +754,19 @@ class _ILP:
             v.SetInteger(True)
         self.relaxed = []
 
-    def snapshot(self, status_name: str, extra_us: float = 0.0) -> tuple:
-        """(choices, memory, objective s, bound s, status) of the current solution."""
-        chosen = {name: max(range(len(vs)), key=lambda i: vs[i].solution_value()) for name, vs in self.x.items()}
-        value = lambda v: 1.0 if v.solution_value() > 0.5 else 0.0  # noqa: E731
+    def snapshot(self, status_name: str, extra_us: float = 0.0, answer: "_Answer | None" = None) -> tuple:
+        """(choices, memory, objective s, bound s, status) of the current
+        solution, or of ``answer`` (the rival's: ``_Rival``)."""
+        solved = answer.value if answer else lambda v: v.solution_value()  # noqa: E731
+        chosen = {name: max(range(len(vs)), key=lambda i: solved(vs[i])) for name, vs in self.x.items()}
+        value = lambda v: 1.0 if solved(v) > 0.5 else 0.0  # noqa: E731
         total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
         used = total(self.always) + max(sum(self.timeline.peak(value)), total(self.late) - total(self.always))
-        value_us = self.obj.Value()
-        bound_us = value_us if self.relaxed else self.obj.BestBound()  # an integral LP optimum is its own bound
+        if answer:
+            value_us, bound_us = answer.objective_us, answer.bound_us
+        else:
+            value_us = self.obj.Value()
+            bound_us = value_us if self.relaxed else self.obj.BestBound()  # an integral LP optimum is its own bound
         return chosen, used, (value_us + extra_us) / US, bound_us / US, status_name
 
     def price_exposed_sync(self, result: tuple, params, left_s: float, relative_gap: float) -> tuple:
@@ -766,29 +781,42 @@ class _ILP:
         nanoseconds of exposed sync once cost a 177-node model 43 s of
         solving again). If time runs out in the second solve, the better of
         its best plan and the first plan priced with its exposure stands
-        (status FEASIBLE).
+        (status FEASIBLE). Where a core is free, the second model has been
+        solving in a forked process since the first solve began (``_Rival``),
+        and its answer is taken from there.
 
         (Before, the window's bounds were added one at a time where the last
         plan was most exposed, each addition solving again from scratch: the
         README demo's unclustered model needed two such bounds, 26.6 s on this
         machine, against 17.8 s with the exposure in the model;
         docs/performance.md.)"""
-        model, window, t0 = self.model, self.window, time.perf_counter()
+        window, t0 = self.window, time.perf_counter()
         short, _ = window.most_exposed(lambda v: v.solution_value())
         self.first_exposed_s = short / US
         if short <= 1e-9:
             return result
-        first = self.snapshot(result[4], short)
+        chosen, used, value_s, bound_s, status_name = result  # the first plan, priced with its exposed sync
+        first = chosen, used, value_s + short / US, bound_s, status_name
         if first[2] - first[3] <= relative_gap * first[2]:
             return first
-        first = self.snapshot("FEASIBLE", short)
-        if left_s < self.min_solve_s:
-            return first  # no time to solve again: the first plan, priced
-        self.exposed_sync_rows()
-        status = self.run(params, left_s - (time.perf_counter() - t0))
-        if status not in _OK:
+        first = first[:4] + ("FEASIBLE",)
+        rival, self.rival = self.rival, None
+        if rival is not None:  # it has been solving this model since the first solve began
+            answer = rival.answer(left_s)
+            if answer is None:
+                return first  # it did not finish in time: the first plan, priced
+            self.exposed_sync_rows()  # the model as the rival solved it
+            self.by_lp += answer.by_lp
+            status, again = answer.status, (self.snapshot(_NAMES[answer.status], answer=answer)
+                                            if answer.status in _OK else None)
+        else:
+            if left_s < self.min_solve_s:
+                return first  # no time to solve again: the first plan, priced
+            self.exposed_sync_rows()
+            status = self.run(params, left_s - (time.perf_counter() - t0))
+            again = self.snapshot(_NAMES[status]) if status in _OK else None
+        if again is None:
             return first
-        again = self.snapshot(_NAMES[status])
         if again[2] <= first[2] or status == pywraplp.Solver.OPTIMAL:
             return again
         return first[:3] + (max(first[3], again[3]), "FEASIBLE")
@@ -988,7 +1016,83 @@ def in_parallel(fn, items: list) -> list:
 
 
 def _forked_solve(i: int):
+    _FORKED["worker"] = True  # a worker races no solves of its own (``_Rival``): the cores are taken
     out = _FORKED["fn"](_FORKED["items"][i])
     if isinstance(out, InfeasibleError):  # sent back as plain values
         return ("infeasible", str(out), out.needed_bytes)
     return out
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A rival solve's result: its status, the objective and best bound in
+    microseconds, the LP relaxations it kept, and each variable's value."""
+    status: int
+    objective_us: float
+    bound_us: float
+    by_lp: int
+    values: list
+
+    def value(self, v) -> float:
+        return self.values[v.index()]
+
+
+class _Rival:
+    """The model with its exposed gradient sync (``exposed_sync_rows``),
+    solved in a forked process while this one solves the model with sync
+    free. Where the first optimum leaves sync exposed, that second model is
+    the answer (``price_exposed_sync``), and it has been solving since the
+    first solve began: the compile waits for the slower of the two solves,
+    not for their sum (Llama's 2x2 model: 1.8 s and 3.5 s). Where the first
+    plan hides its sync, the rival is stopped. The same model is solved
+    either way, so the plan is the one solving them one after the other
+    gives. Forked under ``in_parallel``'s conditions (Linux, no process
+    group, ``AUTOPAR_SOLVE_WORKERS`` above 1, not inside one of its
+    workers)."""
+
+    def __init__(self, process, conn):
+        self.process, self.conn = process, conn
+
+    @classmethod
+    def start(cls, ilp: "_ILP", params, time_limit_s: float) -> "_Rival | None":
+        import multiprocessing
+        import torch.distributed as dist
+        if SOLVE_WORKERS < 2 or _FORKED.get("worker") or not sys.platform.startswith("linux") \
+                or (dist.is_available() and dist.is_initialized()):
+            return None
+        ctx = multiprocessing.get_context("fork")
+        ours, theirs = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_rival_solve, args=(ilp, params, time_limit_s, theirs), daemon=True)
+        process.start()
+        theirs.close()
+        return cls(process, ours)
+
+    def answer(self, timeout_s: float) -> "_Answer | None":
+        """Its result, waited for at most ``timeout_s`` (None if it has none by then)."""
+        try:
+            ready = self.conn.poll(max(timeout_s, 0.0))
+            got = self.conn.recv() if ready else None
+        except (EOFError, OSError):
+            got = None
+        self.stop()
+        return got
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+        self.conn.close()
+
+
+def _rival_solve(ilp: "_ILP", params, time_limit_s: float, conn) -> None:
+    from ortools.linear_solver import linear_solver_pb2
+    ilp.rival = None
+    ilp.exposed_sync_rows()
+    status = ilp.run(params, time_limit_s)
+    response = linear_solver_pb2.MPSolutionResponse()
+    if status in _OK:
+        ilp.model.FillSolutionResponseProto(response)
+    objective = ilp.obj.Value() if status in _OK else math.nan
+    bound = objective if ilp.relaxed else (ilp.obj.BestBound() if status in _OK else math.nan)
+    conn.send(_Answer(status, objective, bound, ilp.by_lp, list(response.variable_value)))
+    conn.close()

@@ -484,6 +484,30 @@ def test_exposed_sync_in_the_model_gives_the_every_bound_optimum(monkeypatch):
     assert lazy.solver["window_exposed_s"] > 0 and lazy.predicted["grad_sync_exposed_s"] <= lazy.solver["window_exposed_s"]
 
 
+def test_the_model_with_its_exposed_sync_is_solved_beside_the_sync_free_one_for_the_same_plan(monkeypatch):
+    """The model with its exposed sync is solved in a forked process from the
+    start (solver._Rival): where the sync-free optimum leaves sync exposed,
+    its answer is the plan, the same plan that solving the two models one
+    after the other gives."""
+    import autopar.solver as solver
+    model, inputs, loss = _meta_gpt(layers=2, hidden=1024, seq=64, batch=16)
+    compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
+    answers = []
+    answer = solver._Rival.answer
+    monkeypatch.setattr(solver._Rival, "answer", lambda self, t: answers.append(answer(self, t)) or answers[-1])
+    monkeypatch.setattr(solver, "SOLVE_WORKERS", 2)
+    raced = compile_()
+    assert len(answers) == 1 and answers[0] is not None and answers[0].status == 0  # OPTIMAL, from the rival
+    monkeypatch.setattr(solver, "SOLVE_WORKERS", 1)
+    one_by_one = compile_()
+    assert raced.solver["window_exposed_s"] > 0 and len(answers) == 1
+    assert raced.solver["status"] == one_by_one.solver["status"] == "OPTIMAL"
+    assert raced.solver["objective"] == one_by_one.solver["objective"]
+    assert raced.solver["variables"] == one_by_one.solver["variables"]
+    assert raced.solver["solved_as_lp"] == one_by_one.solver["solved_as_lp"]
+    assert raced.nodes == one_by_one.nodes and raced.predicted == one_by_one.predicted
+
+
 def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkeypatch):
     """The first solve (sync free) bounds the full model from below: when its
     plan, priced with the sync it leaves exposed, is within the relative gap
@@ -493,7 +517,10 @@ def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkey
     # (at seq 64 and batch 16 the sync left exposed is now most of the step: views cost nothing, so less
     # compute is left to hide it, and its exposure is beyond the gap)
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=128, batch=32)
-    monkeypatch.setattr(solver._ILP, "exposed_sync_rows", lambda self: pytest.fail("solved again"))
+    here, rows = os.getpid(), solver._ILP.exposed_sync_rows  # the forked rival builds them (and is stopped)
+    monkeypatch.setattr(solver._ILP, "exposed_sync_rows",
+                        lambda self: rows(self) if os.getpid() != here else pytest.fail("solved again"))
+    monkeypatch.setattr(solver._Rival, "answer", lambda self, timeout_s: pytest.fail("waited for the rival"))
     plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, relative_gap=0.5)
     assert plan.solver["window_exposed_s"] > 0
     assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"])
