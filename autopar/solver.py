@@ -356,11 +356,12 @@ class _ILP:
         # producer instance, through a variable above each edge's choice of it.
         shared: dict = {}  # group -> [seconds per instance, producer instances, [(selection, instances
         # behind it)], {copies}]
+        fanout = Counter(src for src, _, _ in edges)  # a producer read by one edge alone shares no reshard
         for (src, dst, idx), times in edges.items():
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime()
             self._edge(src, dst, idx, times, replayed[src, dst, idx], producers[src, dst, idx],
-                       keeping[src, dst, idx], instances[src, dst, idx], shared)
+                       keeping[src, dst, idx], instances[src, dst, idx], shared, fanout[src] == 1)
         for consumer, terms in self.resharded_grads.items():
             ws = self.working.get(consumer)
             bound = max(ws.values(), default=0.0) if ws else 0.0
@@ -473,7 +474,7 @@ class _ILP:
             live = self._alive[name] = [i for i, v in enumerate(self.x[name]) if v.ub() > 0]
         return live
 
-    def _edge(self, src, dst, idx, times, replayed, producers, keeping, instances, shared) -> None:
+    def _edge(self, src, dst, idx, times, replayed, producers, keeping, instances, shared, alone) -> None:
         graph, ctx, x, model = self.graph, self.ctx, self.x, self.model
         prod, cons = self.strategies[src], self.strategies[dst]
         meta = produced(graph, src, graph.nodes[dst], prod[0])[1]
@@ -537,8 +538,16 @@ class _ILP:
             # once; the tensor kept for backward is its copy, or the
             # producer's own for every consumer that reads it in place.
             if unit or (held and not as_read):
-                join((src, dst, idx, p, key) if item else (src, p, key), unit,
-                     behind_item if item else producers, terms, 0.0 if as_read else held)
+                behind, kept = (behind_item if item else producers), (0.0 if as_read else held)
+                if item or alone:  # this edge's choice alone uses the reshard: paid on it (``_pay``'s one case)
+                    for v in terms:
+                        _add(objective, v, unit * len(behind))
+                        if kept:
+                            for consumer in keeping.values():
+                                _add(self.mem, v, kept)
+                                self.timeline.copy(consumer, v, kept)
+                else:
+                    join((src, p, key), unit, behind, terms, kept)
             if as_read and held:
                 join((src, p, "as read"), 0.0, producers, terms, held)
 
