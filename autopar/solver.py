@@ -1095,6 +1095,7 @@ class _Rival:
 
 def _rival_solve(ilp: "_ILP", params, time_limit_s: float, conn) -> None:
     from ortools.linear_solver import linear_solver_pb2
+    os.nice(5)  # speculative: where the cores are oversubscribed, the first solve goes first
     ilp.rival = None
     ilp.exposed_sync_rows()
     status = ilp.run(params, time_limit_s)
