@@ -996,8 +996,9 @@ def _offload_hint(ctx) -> str:
 
 SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))
 """Processes that solve independent ILPs (the recomputation options, a
-pipeline search's stage submeshes) at once;
-``AUTOPAR_SOLVE_WORKERS=1`` solves them one after another."""
+pipeline search's stage submeshes) at once, and above 1 the rival solve
+(``_Rival``) beside the first; ``AUTOPAR_SOLVE_WORKERS=1`` solves them one
+after another."""
 
 _FORKED: dict = {}  # what forked workers solve: set before the fork, read in the child
 
