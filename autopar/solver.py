@@ -539,13 +539,8 @@ class _ILP:
             # producer's own for every consumer that reads it in place.
             if unit or (held and not as_read):
                 behind, kept = (behind_item if item else producers), (0.0 if as_read else held)
-                if item or alone:  # this edge's choice alone uses the reshard: paid on it (``_pay``'s one case)
-                    for v in terms:
-                        _add(objective, v, unit * len(behind))
-                        if kept:
-                            for consumer in keeping.values():
-                                _add(self.mem, v, kept)
-                                self.timeline.copy(consumer, v, kept)
+                if item or alone:  # this edge's choice alone uses the reshard: paid on it, not settled later
+                    self._pay([terms], unit * len(behind), [(kept, c) for c in keeping.values()] if kept else ())
                 else:
                     join((src, p, key), unit, behind, terms, kept)
             if as_read and held:
@@ -1009,11 +1004,8 @@ def in_parallel(fn, items: list) -> list:
     of pickling it); ``fn`` returns a Solution or an InfeasibleError. The
     results are in order, the same as solving them one by one."""
     import multiprocessing
-    import torch.distributed as dist
     workers = min(SOLVE_WORKERS, len(items))
-    # fork only where it is the platform's default (Linux: macOS frameworks do
-    # not survive it), and never a process in a process group
-    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
+    if not _forks(workers):
         return [fn(x) for x in items]
     from concurrent.futures import ProcessPoolExecutor
     _FORKED["fn"], _FORKED["items"] = fn, items
@@ -1023,6 +1015,14 @@ def in_parallel(fn, items: list) -> list:
     finally:
         _FORKED.clear()
     return [InfeasibleError(r[1], needed_bytes=r[2]) if isinstance(r, tuple) else r for r in out]
+
+
+def _forks(workers: int) -> bool:
+    """Whether ``workers`` processes may solve at once here: fork only where
+    it is the platform's default (Linux: macOS frameworks do not survive it),
+    and never a process in a process group."""
+    import torch.distributed as dist
+    return workers >= 2 and sys.platform.startswith("linux") and not (dist.is_available() and dist.is_initialized())
 
 
 def _forked_solve(i: int):
@@ -1056,9 +1056,8 @@ class _Rival:
     not for their sum (Llama's 2x2 model: 1.8 s and 3.5 s). Where the first
     plan hides its sync, the rival is stopped. The same model is solved
     either way, so the plan is the one solving them one after the other
-    gives. Forked under ``in_parallel``'s conditions (Linux, no process
-    group, ``AUTOPAR_SOLVE_WORKERS`` above 1, not inside one of its
-    workers)."""
+    gives. Forked where ``_forks`` allows two processes, and not inside
+    an ``in_parallel`` worker."""
 
     def __init__(self, process, conn):
         self.process, self.conn = process, conn
@@ -1066,9 +1065,7 @@ class _Rival:
     @classmethod
     def start(cls, ilp: "_ILP", params, time_limit_s: float) -> "_Rival | None":
         import multiprocessing
-        import torch.distributed as dist
-        if SOLVE_WORKERS < 2 or _FORKED.get("worker") or not sys.platform.startswith("linux") \
-                or (dist.is_available() and dist.is_initialized()):
+        if _FORKED.get("worker") or not _forks(SOLVE_WORKERS):
             return None
         ctx = multiprocessing.get_context("fork")
         ours, theirs = ctx.Pipe(duplex=False)
