@@ -90,6 +90,7 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     def build(follow_edges: bool):
         ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend, deadline=t0 + time_limit_s)
+        ilp.memory_binds = most > memory_budget if memory_budget is not None else False
         if not follow_edges:
             ilp.follow_edges = False
         reps = {ilp.rep[name]: i for name, i in (pinned or {}).items()}
@@ -102,12 +103,12 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
 
     try:
         ilp, pinned, pruned = build(_ILP.follow_edges)
-        if memory_budget is not None and ilp.followed and ilp.most > memory_budget:
+        if ilp.memory_binds and ilp.followed and ilp.most > memory_budget:
             # Under a budget that may bind, the pairs into followers are not dominated: where a reshard
             # runs changes what is held (a budget sweep lost 3.5% to them): the full model
             ilp, pinned, pruned = build(False)
         # where no plan can exceed the budget (``most``), its rows cannot bind: left out
-        bounded = memory_budget is not None and ilp.most > memory_budget
+        bounded = ilp.memory_binds and ilp.most > memory_budget
         rows = ilp.budget_rows(memory_budget) if bounded else []
         ilp.host_rows()
         built = time.perf_counter() - t0
@@ -147,6 +148,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     model = ilp.model
     if ilp.followed:
         pruned["dominated reshards into followers (y variables)"] = ilp.followed
+    if ilp.demanded:
+        pruned["pairs of edges that only share reshards (y variables)"] = ilp.demanded
     return Solution(choice, status_name, value, wall, model.NumVariables(), model.NumConstraints(), float(used),
                     {"best_bound_s": bound, "gap": (value - bound) / value if value > 0 else 0.0,
                      "memory_never_binds": memory_budget is None or ilp.most <= memory_budget, "pruned": pruned,
@@ -175,6 +178,44 @@ def memory_bound(graph: Graph, strategies: dict, ctx: CostContext, recomputed: R
                      else backward_working_set(graph, node, s, ctx, grad) for s in options)
             transient = max(transient, ws + 2 * inputs)
     return max(held + edges + transient, late)
+
+
+class _Both:
+    """A key of memory terms where memory cannot bind: an edge's pair is
+    chosen (one of ``spec``, its producer's variables, and one of ``key``,
+    its consumer's)."""
+
+    __slots__ = ("spec", "key")
+
+    def __init__(self, spec: list, key: list):
+        self.spec, self.key = spec, key
+
+
+class _Any:
+    """A key of memory terms where memory cannot bind: some of ``selections``
+    (lists of variables or markers) is chosen."""
+
+    __slots__ = ("selections",)
+
+    def __init__(self, selections: list):
+        self.selections = selections
+
+
+def _value(solved):
+    """0/1 of a variable or a marker on a solution (``solved``: a variable's value)."""
+
+    def value(v) -> float:
+        kind = type(v)
+        if kind is _Both:
+            return float(chosen(v.spec) and chosen(v.key))
+        if kind is _Any:
+            return float(any(chosen(terms) for terms in v.selections if terms is not None))
+        return 1.0 if solved(v) > 0.5 else 0.0
+
+    def chosen(terms) -> bool:
+        return sum(value(v) for v in terms) > 0.5
+
+    return value
 
 
 class _OutOfTime(Exception):
@@ -212,6 +253,10 @@ class _ILP:
     before the edges are built, where ``memory_bound`` shows memory cannot
     bind, so that they get no edge variables; False prunes them only after
     (tests compare the two optima)."""
+    demand_edges = True
+    """Where memory cannot bind, an edge whose only time is shared reshards
+    gets no y pairs (``_demand``); False gives it pairs (tests compare the
+    two optima and what the plans hold)."""
     lp_first = True
     """Solve the LP relaxation first and keep it where it is integral
     (``run``); False solves the MIP at once (tests compare the two optima)."""
@@ -243,6 +288,10 @@ class _ILP:
         self.x: dict = {}
         self.edge_vars: list = []  # the y variables of each edge
         self.used_vars: list = []  # a shared reshard's variable (used by some edge)
+        self.demands: list = []  # (free, groups, needed, producers): sum(free) + the groups' >= sum(needed)
+        self.made_from: dict = {}  # a demanded reshard's group -> (its spec's variables, producers): _demand
+        self.memory_binds = True  # False where no plan can exceed the budget (``solve``): memory-only terms
+        # are then read off the solution (_Both, _Any), not modelled
         self.largest_transient = 0.0
         self.working: dict = {}  # op -> its backward working set's terms (on the timeline)
         self.resharded_grads: dict = {}  # op -> terms of its inputs' gradients resharded in its backward
@@ -250,6 +299,7 @@ class _ILP:
         self.most = math.inf
         self.first_exposed_s = 0.0  # the sync left exposed by the optimum with gradient sync free
         self.followed = 0  # the y variables _follower left out
+        self.demanded = 0  # the y variables _demand's rows stand for
         self._ids: dict = {}  # spec or reshard key -> its id (_id)
         self._values: list = []  # id -> spec or reshard key
         self._outs: dict = {}  # (producer, item) -> its live strategies' spec ids (_out_ids)
@@ -371,7 +421,13 @@ class _ILP:
             else:
                 self.timeline.working_set(consumer, terms)
             self.largest_transient = max(self.largest_transient, bound + self.grad_bound[consumer])
-        for seconds_us, made, selections, copies in shared.values():
+        self.settle_shared(shared)
+
+    def settle_shared(self, shared: dict) -> None:
+        """Each shared reshard paid once per producer instance where any of
+        its consumers uses it; then each demand's row (``_demand``)."""
+        paid: dict = {}  # (group key, producer instance) -> its variable
+        for group_key, (seconds_us, made, selections, copies) in shared.items():
             # producer instances behind the same edges pay together: with
             # clustered layers, one edge's choice may cover a few of them
             # (the last layer feeding the head) and another's the rest
@@ -384,20 +440,46 @@ class _ILP:
                                       []).append(inst)
             for cover, insts in covers.items():
                 kept = copies.values() if len(covers) == 1 else [copies[i] for i in insts if i in copies]
-                self._pay([selections[k][0] for k in cover], seconds_us * len(insts), kept)
+                used = self._pay([selections[k][0] for k in cover], seconds_us * len(insts), kept)
+                for inst in insts:
+                    paid[group_key, inst] = used
+        model = self.model
+        for free, made, needed, producers in self.demands:  # provided >= needed (_demand)
+            for used in {tuple(paid[g, inst] for g in made) for inst in producers}:  # per distinct variables
+                row = model.Constraint(0.0, model.infinity())
+                for v in free:
+                    row.SetCoefficient(v, 1.0)
+                for v in used:
+                    row.SetCoefficient(v, 1.0)
+                for v in needed:
+                    row.SetCoefficient(v, -1.0)
+        for group_key, (chosen, producers) in self.made_from.items():  # made only from the spec chosen
+            for used in {paid[group_key, inst] for inst in producers}:
+                row = model.Constraint(-model.infinity(), 0.0)
+                row.SetCoefficient(used, 1.0)
+                for v in chosen:
+                    row.SetCoefficient(v, -1.0)
 
-    def _pay(self, selections: list, cost_us: float, copies) -> None:
+    def _pay(self, selections: list, cost_us: float, copies):
         """``cost_us`` and the ``copies`` (bytes, where made) once if any of
         ``selections`` (each the variables whose sum says an edge chose
-        this reshard) is chosen."""
-        if len(selections) == 1:  # one consumer edge: pay on its choice
+        this reshard; None for a ``_demand``) is chosen: its variable (None
+        where paid on a lone selection's own, an ``_Any`` where it holds
+        memory only and memory cannot bind)."""
+        if not (cost_us or self.memory_binds) and None not in selections:
+            # only memory, which cannot bind: read off the solution (a demand's row needs a variable)
+            held = _Any(selections)
+            for nbytes, consumer in copies:
+                self.timeline.copy(consumer, held, nbytes)
+            return held
+        if len(selections) == 1 and selections[0] is not None:  # one consumer edge: pay on its choice
             (terms,) = selections
             for v in terms:
                 _add(self.objective, v, cost_us)
                 for nbytes, consumer in copies:
                     _add(self.mem, v, nbytes)
                     self.timeline.copy(consumer, v, nbytes)
-            return
+            return None
         model = self.model
         used = model.NumVar(0.0, 1.0, "")
         self.used_vars.append(used)
@@ -406,10 +488,13 @@ class _ILP:
             _add(self.mem, used, nbytes)
             self.timeline.copy(consumer, used, nbytes)
         for terms in selections:
+            if terms is None:  # a demand: its row comes in settle_shared
+                continue
             row = model.Constraint(0.0, model.infinity())  # used >= this edge's choice
             row.SetCoefficient(used, 1.0)
             for v in terms:
                 row.SetCoefficient(v, -1.0)
+        return used
 
     def _id(self, value: tuple) -> int:
         """A small int naming a spec or a reshard key, equal for equal ones:
@@ -582,6 +667,16 @@ class _ILP:
             for p, members in out_groups.items():
                 charge([x[src][i] for i in members], p, k0)
             return
+        if self.demand_edges and not (self.memory_binds or item or alone) and not any(
+                replay or synced or early for _, replay, _, _, synced, _, early in priced.values()):
+            # every cost of this edge is a shared reshard's: no y pairs, the
+            # consumer's key asks for a reshard from the producer's spec (``_demand``)
+            wanted = {}
+            for key, members in in_groups.items():
+                wanted[key] = [x[dst][j] for j, _ in members]
+            self._demand(src, wanted, out_groups, priced, producers, instances, join)
+            self.demanded += len(priced)
+            return
         y = {}
         for p, key in priced:
             y[p, key] = model.NumVar(0.0, 1.0, "")
@@ -601,6 +696,50 @@ class _ILP:
                     row.SetCoefficient(y[p, key], 1)
             for j, _ in members:
                 row.SetCoefficient(x[dst][j], -1)
+
+    def _demand(self, src, wanted: dict, out_groups: dict, priced: dict, producers: set, instances: list,
+                join) -> None:
+        """An edge whose only time is its shared reshards (no replay, sync or
+        prefetch of its own), where memory cannot bind: no y pairs. Where
+        its consumer chooses a key (``wanted``: key -> the variables whose
+        sum chooses it), some spec of the producer must provide it, at no
+        cost or through that reshard's shared variable; and where the
+        producer chooses a spec, some key of the consumer must be provided
+        by it. A row in ``settle_shared`` keeps each shared variable within
+        the producer's choice of its spec. Exact on integral choices (the
+        producer's one spec provides the consumer's one key), and about one
+        row per spec and per key instead of a y variable and a row per pair.
+        What the edge holds (a gradient resharded in backward, a copy that
+        moves nothing) counts on ``_Both`` markers, read off the solution
+        (``_value``)."""
+        by_key = {key: ([], []) for key in wanted}  # key -> (specs providing it free, its reshards' groups)
+        for p, members in out_groups.items():
+            chosen = [self.x[src][i] for i in members]
+            free_keys, made = [], []
+            for key, wants in wanted.items():
+                if (p, key) not in priced:  # left out by _follower: dominated
+                    continue
+                unit, _, held, grad_bytes, _, as_read, _ = priced[p, key]
+                pair = _Both(chosen, wants) if held or grad_bytes else None
+                if grad_bytes:
+                    for consumer in instances:
+                        _add(self.resharded_grads.setdefault(consumer, {}), pair, grad_bytes)
+                if unit:
+                    group_key = (src, p, key)
+                    join(group_key, unit, producers, None, 0.0 if as_read else held)  # None: a demand's
+                    made.append(group_key)
+                    by_key[key][1].append(group_key)
+                    self.made_from[group_key] = (chosen, producers)
+                else:
+                    free_keys.extend(wants)
+                    by_key[key][0].extend(chosen)
+                    if held:  # the copy, or the producer's own tensor read in place, held once
+                        join((src, p, "as read" if as_read else (key, "kept")), 0.0, producers, [pair], held)
+                if as_read and held and unit:
+                    join((src, p, "as read"), 0.0, producers, [pair], held)
+            self.demands.append((free_keys, made, chosen, producers))  # the spec's consumer key
+        for key, (free, made) in by_key.items():
+            self.demands.append((free, made, wanted[key], producers))  # the key's producer spec
 
     def _follower(self, src: str, dst: str, idx: int):
         """For an edge into a follower, the test a (producer spec, consumer
@@ -763,7 +902,7 @@ class _ILP:
         solution, or of ``answer`` (the rival's: ``_Rival``)."""
         solved = answer.value if answer else lambda v: v.solution_value()  # noqa: E731
         chosen = {name: max(range(len(vs)), key=lambda i: solved(vs[i])) for name, vs in self.x.items()}
-        value = lambda v: 1.0 if solved(v) > 0.5 else 0.0  # noqa: E731
+        value = _value(solved)
         total = lambda table: sum(c * value(v) for v, c in table.items())  # noqa: E731
         used = total(self.always) + max(sum(self.timeline.peak(value)), total(self.late) - total(self.always))
         if answer:
