@@ -37,7 +37,8 @@ from autopar.passes.recompute import MODES, NONE, Recomputation, recomputation
 from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.timeline import GatherWindow, SyncWindow, Timeline, first_consumers
-from autopar.solver import in_parallel, memory_bound, solve
+from autopar.forks import in_parallel
+from autopar.solver import memory_bound, solve
 
 log = logging.getLogger("autopar")
 

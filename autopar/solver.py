@@ -3,7 +3,9 @@
 Variables: x[n, s] (node n runs strategy s) and, for every edge whose two ends
 both have a choice, y[e, p, k] (producer emits spec p, consumer wants key k =
 its input spec and the gradient spec that flows back). Flow constraints tie y
-to x on both sides, so the products x[u]·x[v] are linear. The objective is the
+to x on both sides, so the products x[u]·x[v] are linear. (Where memory
+cannot bind, an edge whose only cost is its producer's shared reshards gets
+rows that ask for them instead: ``_ILP._demand``.) The objective is the
 step time: compute (forward + backward), every resharding forward and
 backward, and the optimizer step; on clusters that overlap gradient
 synchronisation with backward, only the sync that the backward compute
@@ -33,6 +35,7 @@ from autopar.cost_models.graph_costs import (
     param_transient, produced, replays, reshard_key, saves_input, seconds, shares_reshard,
 )
 from autopar.errors import InfeasibleError
+from autopar.forks import Background
 from autopar.ir import Graph, NodeKind
 from autopar.passes.recompute import NONE, Recomputation
 from autopar.passes.strategy import shard_factor
@@ -311,7 +314,7 @@ class _ILP:
         self.by_lp = 0  # solves the LP relaxation answered (``run``)
         self.min_solve_s = 0.0  # the least time a MIP solve is started with (``SOLVE_AFTER_BUILD``)
         self.out_of_time = False  # a solve not started for lack of time
-        self.rival: _Rival | None = None  # the model with its exposed sync, solved in a forked process
+        self.rival: Background | None = None  # the model with its exposed sync, solved beside (_rival_solve)
 
     def choose_strategies(self, pinned: dict | None, optimizer_step: bool) -> None:
         """x[n][s]: one binary per strategy of each representative, exactly one
@@ -850,7 +853,7 @@ class _ILP:
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
         if self.overlap and self.window.syncs:  # the model with its exposed sync, solved at once beside this one
-            self.rival = _Rival.start(self, params, time_limit_s)
+            self.rival = Background.start(_rival_solve, self, params, time_limit_s)
         status = self.run(params, time_limit_s)
         return (self.snapshot(_NAMES[status]) if status in _OK else None), status, params
 
@@ -899,7 +902,7 @@ class _ILP:
 
     def snapshot(self, status_name: str, extra_us: float = 0.0, answer: "_Answer | None" = None) -> tuple:
         """(choices, memory, objective s, bound s, status) of the current
-        solution, or of ``answer`` (the rival's: ``_Rival``)."""
+        solution, or of ``answer`` (the rival's: ``_rival_solve``)."""
         solved = answer.value if answer else lambda v: v.solution_value()  # noqa: E731
         chosen = {name: max(range(len(vs)), key=lambda i: solved(vs[i])) for name, vs in self.x.items()}
         value = _value(solved)
@@ -925,7 +928,7 @@ class _ILP:
         solving again). If time runs out in the second solve, the better of
         its best plan and the first plan priced with its exposure stands
         (status FEASIBLE). Where a core is free, the second model has been
-        solving in a forked process since the first solve began (``_Rival``),
+        solving in a forked process since the first solve began (``_rival_solve``),
         and its answer is taken from there.
 
         (Before, the window's bounds were added one at a time where the last
@@ -1128,50 +1131,6 @@ def _offload_hint(ctx) -> str:
     return "; offloading optimizer state to the host is off (offload=False, --no-offload): allowing it may fit"
 
 
-SOLVE_WORKERS = int(os.environ.get("AUTOPAR_SOLVE_WORKERS", os.cpu_count() or 1))
-"""Processes that solve independent ILPs (the recomputation options, a
-pipeline search's stage submeshes) at once, and above 1 the rival solve
-(``_Rival``) beside the first; ``AUTOPAR_SOLVE_WORKERS=1`` solves them one
-after another."""
-
-_FORKED: dict = {}  # what forked workers solve: set before the fork, read in the child
-
-
-def in_parallel(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, in forked worker processes where more than
-    one core is free, on Linux (the workers inherit the traced graph instead
-    of pickling it); ``fn`` returns a Solution or an InfeasibleError. The
-    results are in order, the same as solving them one by one."""
-    import multiprocessing
-    workers = min(SOLVE_WORKERS, len(items))
-    if not _forks(workers):
-        return [fn(x) for x in items]
-    from concurrent.futures import ProcessPoolExecutor
-    _FORKED["fn"], _FORKED["items"] = fn, items
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            out = list(pool.map(_forked_solve, range(len(items))))
-    finally:
-        _FORKED.clear()
-    return [InfeasibleError(r[1], needed_bytes=r[2]) if isinstance(r, tuple) else r for r in out]
-
-
-def _forks(workers: int) -> bool:
-    """Whether ``workers`` processes may solve at once here: fork only where
-    it is the platform's default (Linux: macOS frameworks do not survive it),
-    and never a process in a process group."""
-    import torch.distributed as dist
-    return workers >= 2 and sys.platform.startswith("linux") and not (dist.is_available() and dist.is_initialized())
-
-
-def _forked_solve(i: int):
-    _FORKED["worker"] = True  # a worker races no solves of its own (``_Rival``): the cores are taken
-    out = _FORKED["fn"](_FORKED["items"][i])
-    if isinstance(out, InfeasibleError):  # sent back as plain values
-        return ("infeasible", str(out), out.needed_bytes)
-    return out
-
-
 @dataclass(frozen=True)
 class _Answer:
     """A rival solve's result: its status, the objective and best bound in
@@ -1186,53 +1145,17 @@ class _Answer:
         return self.values[v.index()]
 
 
-class _Rival:
+def _rival_solve(ilp: "_ILP", params, time_limit_s: float) -> _Answer:
     """The model with its exposed gradient sync (``exposed_sync_rows``),
-    solved in a forked process while this one solves the model with sync
-    free. Where the first optimum leaves sync exposed, that second model is
-    the answer (``price_exposed_sync``), and it has been solving since the
-    first solve began: the compile waits for the slower of the two solves,
-    not for their sum (Llama's 2x2 model: 1.8 s and 3.5 s). Where the first
-    plan hides its sync, the rival is stopped. The same model is solved
-    either way, so the plan is the one solving them one after the other
-    gives. Forked where ``_forks`` allows two processes, and not inside
-    an ``in_parallel`` worker."""
-
-    def __init__(self, process, conn):
-        self.process, self.conn = process, conn
-
-    @classmethod
-    def start(cls, ilp: "_ILP", params, time_limit_s: float) -> "_Rival | None":
-        import multiprocessing
-        if _FORKED.get("worker") or not _forks(SOLVE_WORKERS):
-            return None
-        ctx = multiprocessing.get_context("fork")
-        ours, theirs = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_rival_solve, args=(ilp, params, time_limit_s, theirs), daemon=True)
-        process.start()
-        theirs.close()
-        return cls(process, ours)
-
-    def answer(self, timeout_s: float) -> "_Answer | None":
-        """Its result, waited for at most ``timeout_s`` (None if it has none by then)."""
-        try:
-            ready = self.conn.poll(max(timeout_s, 0.0))
-            got = self.conn.recv() if ready else None
-        except (EOFError, OSError):
-            got = None
-        self.stop()
-        return got
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join()
-        self.conn.close()
-
-
-def _rival_solve(ilp: "_ILP", params, time_limit_s: float, conn) -> None:
+    solved in a forked process (forks.Background) while the first solve
+    solves the model with sync free. Where the first optimum leaves sync
+    exposed, this second model is the answer (``price_exposed_sync``), and
+    it has been solving since the first solve began: the compile waits for
+    the slower of the two solves, not for their sum (Llama's 2x2 model:
+    1.8 s and 3.5 s). Where the first plan hides its sync, it is stopped.
+    The same model is solved either way, so the plan is the one solving them
+    one after the other gives."""
     from ortools.linear_solver import linear_solver_pb2
-    os.nice(5)  # speculative: where the cores are oversubscribed, the first solve goes first
     ilp.rival = None
     ilp.exposed_sync_rows()
     status = ilp.run(params, time_limit_s)
@@ -1241,5 +1164,4 @@ def _rival_solve(ilp: "_ILP", params, time_limit_s: float, conn) -> None:
         ilp.model.FillSolutionResponseProto(response)
     objective = ilp.obj.Value() if status in _OK else math.nan
     bound = objective if ilp.relaxed else (ilp.obj.BestBound() if status in _OK else math.nan)
-    conn.send(_Answer(status, objective, bound, ilp.by_lp, list(response.variable_value)))
-    conn.close()
+    return _Answer(status, objective, bound, ilp.by_lp, list(response.variable_value))

@@ -227,8 +227,8 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     search for a 16-layer GPT of the same layers on 32 GPUs: nothing is solved
     again and the search decides what it decides without the cache (where
     the stage ILPs are solved one by one, not in parallel)."""
+    import autopar.forks
     import autopar.planner
-    import autopar.solver
     from gpt import lm_loss
     cache = str(tmp_path / "plans")
     kw = dict(cluster="dgx-a100", loss_fn=lm_loss, precision="bf16")
@@ -236,7 +236,7 @@ def test_solved_layer_classes_serve_another_depth_and_device_count(tmp_path, mon
     first = search_pipeline(deep, inputs, world=16, cache=cache, **kw)
     assert first.layer_cache == {"hits": 0, "misses": 8}  # tp 1, 2, 4, 8 x 1, 2 sequences per microbatch
     shallow, inputs = _meta_gpt(16, 1024, 16, 512, 8192, 64)
-    monkeypatch.setattr(autopar.solver, "SOLVE_WORKERS", 1)  # the cache was filled by parallel solves
+    monkeypatch.setattr(autopar.forks, "SOLVE_WORKERS", 1)  # the cache was filled by parallel solves
     fresh = search_pipeline(shallow, inputs, world=32, **kw)
     assert fresh.layer_cache is None
 

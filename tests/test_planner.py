@@ -486,19 +486,19 @@ def test_exposed_sync_in_the_model_gives_the_every_bound_optimum(monkeypatch):
 
 def test_the_model_with_its_exposed_sync_is_solved_beside_the_sync_free_one_for_the_same_plan(monkeypatch):
     """The model with its exposed sync is solved in a forked process from the
-    start (solver._Rival): where the sync-free optimum leaves sync exposed,
+    start (solver._rival_solve): where the sync-free optimum leaves sync exposed,
     its answer is the plan, the same plan that solving the two models one
     after the other gives."""
-    import autopar.solver as solver
+    import autopar.forks as forks
     model, inputs, loss = _meta_gpt(layers=2, hidden=1024, seq=64, batch=16)
     compile_ = lambda: autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss)  # noqa: E731
     answers = []
-    answer = solver._Rival.answer
-    monkeypatch.setattr(solver._Rival, "answer", lambda self, t: answers.append(answer(self, t)) or answers[-1])
-    monkeypatch.setattr(solver, "SOLVE_WORKERS", 2)
+    answer = forks.Background.answer
+    monkeypatch.setattr(forks.Background, "answer", lambda self, t: answers.append(answer(self, t)) or answers[-1])
+    monkeypatch.setattr(forks, "SOLVE_WORKERS", 2)
     raced = compile_()
     assert len(answers) == 1 and answers[0] is not None and answers[0].status == 0  # OPTIMAL, from the rival
-    monkeypatch.setattr(solver, "SOLVE_WORKERS", 1)
+    monkeypatch.setattr(forks, "SOLVE_WORKERS", 1)
     one_by_one = compile_()
     assert raced.solver["window_exposed_s"] > 0 and len(answers) == 1
     assert raced.solver["status"] == one_by_one.solver["status"] == "OPTIMAL"
@@ -514,13 +514,14 @@ def test_sync_exposed_within_the_gap_asked_for_is_priced_not_solved_again(monkey
     asked for, the solver adds no rows and solves no more, and the plan's
     objective counts the exposure."""
     import autopar.solver as solver
+    import autopar.forks as forks
     # (at seq 64 and batch 16 the sync left exposed is now most of the step: views cost nothing, so less
     # compute is left to hide it, and its exposure is beyond the gap)
     model, inputs, loss = _meta_gpt(layers=4, hidden=256, seq=128, batch=32)
     here, rows = os.getpid(), solver._ILP.exposed_sync_rows  # the forked rival builds them (and is stopped)
     monkeypatch.setattr(solver._ILP, "exposed_sync_rows",
                         lambda self: rows(self) if os.getpid() != here else pytest.fail("solved again"))
-    monkeypatch.setattr(solver._Rival, "answer", lambda self, timeout_s: pytest.fail("waited for the rival"))
+    monkeypatch.setattr(forks.Background, "answer", lambda self, timeout_s: pytest.fail("waited for the rival"))
     plan = autopar.compile(model, inputs, mesh=4, cluster="dgx-a100", loss_fn=loss, relative_gap=0.5)
     assert plan.solver["window_exposed_s"] > 0
     assert plan.solver["objective"] == pytest.approx(plan.predicted["step_time_s"])
@@ -550,12 +551,12 @@ def test_plan_prices_the_sync_that_cannot_hide():
 def test_recomputation_options_solved_in_parallel_give_the_same_plan(monkeypatch):
     """The options after the first (selective, full) are solved at once in
     forked workers; the plan is byte-identical to solving them one by one."""
-    import autopar.solver
+    import autopar.forks
     model, inputs, loss = load_factory("examples/gpt.py:explicit")
     kw = dict(mesh=2, cluster="tests/fixtures/fastnet.json", loss_fn=loss, memory=8 * 2**20, deterministic=True)
     plans = {}
     for workers in (1, 2):
-        monkeypatch.setattr(autopar.solver, "SOLVE_WORKERS", workers)
+        monkeypatch.setattr(autopar.forks, "SOLVE_WORKERS", workers)
         plans[workers] = autopar.compile(model, inputs, **kw)
     assert [c["status"] for c in plans[2].recompute["candidates"]].count("OPTIMAL") >= 2
     assert plans[1].dumps() == plans[2].dumps()

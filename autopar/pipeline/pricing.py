@@ -25,7 +25,7 @@ from autopar.passes.rules import get_rule
 from autopar.passes.strategy import shard_factor
 from autopar.pipeline.layers import Layers, group_layers
 from autopar.planner import Problem, Solved, node_costs, prepare
-from autopar.solver import in_parallel
+from autopar.forks import in_parallel
 
 log = logging.getLogger("autopar")
 
@@ -362,7 +362,7 @@ def profiles(model: nn.Module, example_inputs: tuple, loss_fn, points: list, clu
     next call. ``cache``: a plan cache directory (autopar/plancache.py) whose
     solved layer classes answer the ILPs solved before, by this model or any
     other built of the same layers; the others are solved at once
-    (solver.in_parallel) and stored there. The solves end by ``deadline``
+    (forks.in_parallel) and stored there. The solves end by ``deadline``
     (time.perf_counter(); default: ``time_limit_s`` from now)."""
     cluster = get_cluster(cluster)
     deadline = deadline if deadline is not None else time.perf_counter() + time_limit_s
