@@ -75,26 +75,24 @@ def test_the_readme_demo_is_solved_by_its_lp_with_edges_that_only_share_reshards
     assert plan.solver["solved_as_lp"] >= 1
 
 
-def test_a_budget_that_can_bind_keeps_the_reshards_into_followers(monkeypatch):
+def test_a_budget_that_can_bind_keeps_the_reshards_into_followers():
     """Where a reshard runs, before a follower or after it, changes what a
     rank holds, so under a memory budget that can bind the pairs are not
-    dominated: the parameter-heavy GPT at 90 MB lost 3.5% of its step time
-    (no ZeRO-2) when they were left out. There the full model is solved."""
+    dominated: there the full model is solved, no pair left out. (The
+    parameter-heavy GPT at 90 MB once lost 3.5% of its step time to them.
+    With today's costs its optimum at 76-140 MB is the same with and without
+    them, so what is checked is that they are there, and left out where
+    memory cannot bind.)"""
     import autopar
-    import autopar.planner
     from test_memory import parameter_heavy
-    # the peeled solve's time cap is a policy for the machine's speed, not what is tested: in a loaded suite
-    # run the larger model's peeled solve ran past it and its clustered plan (3.9% slower) stood
-    monkeypatch.setattr(autopar.planner, "PEEL_TIME_FACTOR", 100.0)
     model, inputs, loss, cluster = parameter_heavy()
-    objective = {}
-    for follow in (False, True):
-        monkeypatch.setattr(solver._ILP, "follow_edges", follow)
+    pruned = {}
+    for budget in (90e6, 1e12):
         plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1,
-                               precision="bf16", memory=90e6, time_limit_s=120, relative_gap=GAP)
+                               precision="bf16", memory=budget, time_limit_s=120, relative_gap=GAP, recompute="none")
         assert plan.solver["status"] == "OPTIMAL"
-        objective[follow] = plan.solver["objective"]
-    assert objective[True] == pytest.approx(objective[False], rel=2 * GAP)
+        pruned[budget] = plan.solver["pruned"].get("dominated reshards into followers (y variables)", 0)
+    assert pruned[90e6] == 0 and pruned[1e12] > 0
 
 
 @pytest.mark.parametrize("spec", MODELS[:3] + MODELS[4:])
