@@ -92,6 +92,15 @@ def parameter_heavy():
     return model, (idx, idx), lm_loss, cluster
 
 
+@pytest.fixture(scope="session")
+def zero3_plan():
+    """``parameter_heavy`` at 72 MB without recomputation, below what ZeRO-2
+    alone can hold (one compile, about a minute, for the tests that read it)."""
+    model, inputs, loss, cluster = parameter_heavy()
+    return autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16",
+                           memory=72e6, recompute="none", time_limit_s=120)
+
+
 # budget (MB), ZeRO stages that must appear, stages that must not, recomputation
 SWEEP = [
     (None, {0}, {None, 2, 3}, "none"),  # plain data parallelism
@@ -135,7 +144,7 @@ def test_budget_sweep_moves_from_data_parallel_to_zero_stages_and_recomputation(
     assert plan.predicted["peak_memory_bytes"] <= need * 1.001
 
 
-def test_regather_choices_are_pruned_only_where_memory_cannot_bind():
+def test_regather_choices_are_pruned_only_where_memory_cannot_bind(zero3_plan):
     """Without a binding budget a ZeRO-3 choice costs its ZeRO-2 twin's time
     plus an all-gather: the solver fixes those off before solving and the plan
     says how many; under a tight budget they stay in play."""
@@ -143,17 +152,14 @@ def test_regather_choices_are_pruned_only_where_memory_cannot_bind():
     free = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16", memory=1e12)
     count = free.solver["pruned"]["regather (ZeRO-3) and offload choices: memory cannot bind"]
     assert count > 0 and not any(p["regather"] for p in free.parameters.values())
-    tight = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16", memory=72e6,
-                            recompute="none", time_limit_s=120)  # below what ZeRO-2 alone can hold
+    tight = zero3_plan
     assert "regather (ZeRO-3) and offload choices: memory cannot bind" not in tight.solver["pruned"] and any(p["regather"] for p in tight.parameters.values())
 
 
-def test_zero_3_trades_communication_for_memory():
+def test_zero_3_trades_communication_for_memory(zero3_plan):
     """The same parameter sharded: regathering in backward (ZeRO-3) holds no
     full copy until backward and pays one more all-gather (phase recompute)."""
-    model, inputs, loss, cluster = parameter_heavy()
-    plan = autopar.compile(model, inputs, mesh=4, cluster=cluster, loss_fn=loss, pipeline_stages=1, precision="bf16", memory=72e6,
-                           recompute="none", time_limit_s=120)  # below what ZeRO-2 alone can hold
+    plan = zero3_plan
     regathered = {fqn for fqn, p in plan.parameters.items() if p["zero_stage"] == 3}
     again = {c["tensor"] for c in plan.collectives if c["phase"] == "recompute" and c["kind"] == "all_gather"}
     assert regathered and regathered <= again
