@@ -292,7 +292,8 @@ class _ILP:
         self.edge_vars: list = []  # the y variables of each edge
         self.used_vars: list = []  # a shared reshard's variable (used by some edge)
         self.demands: list = []  # (free, groups, needed, producers): sum(free) + the groups' >= sum(needed)
-        self.made_from: dict = {}  # a demanded reshard's group -> (its spec's variables, producers): _demand
+        self.made_from: dict = {}  # a demanded reshard's group -> (its spec's variables, producer instances)
+        self.paid: dict = {}  # (shared group, producer instance) -> its variable (settle_shared)
         self.memory_binds = True  # False where no plan can exceed the budget (``solve``): memory-only terms
         # are then read off the solution (_Both, _Any), not modelled
         self.largest_transient = 0.0
@@ -429,7 +430,7 @@ class _ILP:
     def settle_shared(self, shared: dict) -> None:
         """Each shared reshard paid once per producer instance where any of
         its consumers uses it; then each demand's row (``_demand``)."""
-        paid: dict = {}  # (group key, producer instance) -> its variable
+        self.paid = paid = {}  # (group key, producer instance) -> its variable
         for group_key, (seconds_us, made, selections, copies) in shared.items():
             # producer instances behind the same edges pay together: with
             # clustered layers, one edge's choice may cover a few of them
@@ -732,7 +733,7 @@ class _ILP:
                     join(group_key, unit, producers, None, 0.0 if as_read else held)  # None: a demand's
                     made.append(group_key)
                     by_key[key][1].append(group_key)
-                    self.made_from[group_key] = (chosen, producers)
+                    self.made_from.setdefault(group_key, (chosen, set()))[1].update(producers)  # every edge's
                 else:
                     free_keys.extend(wants)
                     by_key[key][0].extend(chosen)

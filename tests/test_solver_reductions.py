@@ -61,6 +61,23 @@ def test_edges_that_only_share_reshards_keep_the_optimum_and_what_it_holds(spec,
     assert priced.memory_bytes == pytest.approx(demands.memory_bytes, rel=1e-12)
 
 
+def test_every_reshard_a_demand_reads_is_made_only_from_its_spec(monkeypatch):
+    """With clustered layers the consumers of one producer class can stand
+    behind different producer instances: every shared variable that a
+    ``_demand`` row reads, for each instance, needs its row keeping it within
+    the producer's choice of the spec, or the solver could take a reshard
+    from a spec the producer did not choose."""
+    built = []
+    settle = solver._ILP.settle_shared
+    monkeypatch.setattr(solver._ILP, "settle_shared", lambda self, shared: built.append(self) or settle(self, shared))
+    _solve("examples/gpt.py:small", monkeypatch)
+    (ilp,) = built
+    bounded = {ilp.paid[g, inst] for g, (_, producers) in ilp.made_from.items() for inst in producers}
+    read = {ilp.paid[g, inst] for _, made, _, producers in ilp.demands for g in made for inst in producers}
+    assert read and read <= bounded
+    assert any(len(producers) > 1 for _, made, _, producers in ilp.demands if made)  # classes behind the rows
+
+
 def test_the_readme_demo_is_solved_by_its_lp_with_edges_that_only_share_reshards():
     """The rows that ask each chosen spec of a producer to provide some key
     of the consumer (``_ILP._demand``) are not needed for the optimum, but
