@@ -135,9 +135,9 @@ class Problem:
             try:
                 if time.perf_counter() >= deadline:  # capture and the strategies took the whole limit
                     raise InfeasibleError(
-                        "the compile's time limit passed before the ILP was built (capture and enumerating the "
-                        "strategies took it all); raise it with time_limit_s= (autopar compile --time-limit)",
-                        status="TIME LIMIT")
+                        "the ILP found no plan within the 0 s left of the compile's time limit (capture and "
+                        "enumerating the strategies took it all); raise it with time_limit_s= (autopar compile "
+                        "--time-limit)", status="TIME LIMIT")
                 solution, rc = _solve_with_recompute(
                     self.graph, self.strategies, self.ctx, "none" if self.stage else recompute, budget=self.budget,
                     classes=self.classes, partial=self.opt_level == 2, deadline=deadline, relative_gap=relative_gap,
