@@ -38,7 +38,7 @@ from autopar.passes.strategy import fmt_spec, local_shape
 from autopar.plan import NodePlan, Plan
 from autopar.timeline import GatherWindow, SyncWindow, Timeline, first_consumers
 from autopar.forks import in_parallel
-from autopar.solver import memory_bound, solve
+from autopar.solver import memory_bound, solve, time_limit_error
 
 log = logging.getLogger("autopar")
 
@@ -134,10 +134,7 @@ class Problem:
         with phases("solve"):
             try:
                 if time.perf_counter() >= deadline:  # capture and the strategies took the whole limit
-                    raise InfeasibleError(
-                        "the ILP found no plan within the 0 s left of the compile's time limit (capture and "
-                        "enumerating the strategies took it all); raise it with time_limit_s= (autopar compile "
-                        "--time-limit)", status="TIME LIMIT")
+                    raise time_limit_error(0.0, "capture and enumerating the strategies took it all")
                 solution, rc = _solve_with_recompute(
                     self.graph, self.strategies, self.ctx, "none" if self.stage else recompute, budget=self.budget,
                     classes=self.classes, partial=self.opt_level == 2, deadline=deadline, relative_gap=relative_gap,

@@ -92,8 +92,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
     most = memory_bound(graph, strategies, ctx, recomputed) if memory_budget is not None else math.inf
 
     def build(follow_edges: bool):
-        ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend, deadline=t0 + time_limit_s)
-        ilp.memory_binds = most > memory_budget if memory_budget is not None else False
+        ilp = _ILP(graph, strategies, ctx, classes, recomputed, backend, deadline=t0 + time_limit_s,
+                   memory_binds=memory_budget is not None and most > memory_budget)
         if not follow_edges:
             ilp.follow_edges = False
         reps = {ilp.rep[name]: i for name, i in (pinned or {}).items()}
@@ -121,10 +121,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
         if left() < SOLVE_AFTER_BUILD * built:
             raise _OutOfTime()
     except _OutOfTime:
-        raise InfeasibleError(
-            f"the ILP found no plan within the {max(time_limit_s, 0.0):.3g} s left of the compile's time limit (it "
-            "was still being built, or there was too little time left to solve it); raise it with time_limit_s= "
-            "(autopar compile --time-limit)", status="TIME LIMIT") from None
+        raise time_limit_error(
+            time_limit_s, "it was still being built, or there was too little time left to solve it") from None
     ilp.min_solve_s = SOLVE_AFTER_BUILD * built
     try:
         result, status, params = ilp.solve(left(), relative_gap)
@@ -140,11 +138,8 @@ def solve(graph: Graph, strategies: dict, ctx: CostContext, *, memory_budget: fl
             raise _infeasible(graph, strategies, ctx, ilp.grad, memory_budget, recomputed, need)
         name = _NAMES.get(status, str(status))
         if status != pywraplp.Solver.INFEASIBLE and (wall >= 0.9 * time_limit_s or ilp.out_of_time):
-            raise InfeasibleError(
-                f"the ILP found no plan within the {max(time_limit_s, 0.0):.3g} s left of the compile's time "
-                f"limit (solver status {name}, "
-                f"stopped after {wall:.1f} s without a plan or a proof that none exists); raise it with "
-                "time_limit_s= (autopar compile --time-limit)", status="TIME LIMIT")
+            raise time_limit_error(time_limit_s, f"solver status {name}, stopped after {wall:.1f} s without a plan "
+                                                 "or a proof that none exists")
         raise InfeasibleError(f"the ILP found no plan: solver status {name}", status=name)
     chosen, used, value, bound, status_name = result
     choice = {name: chosen[ilp.rep[name]] for name in graph.nodes}
@@ -181,6 +176,14 @@ def memory_bound(graph: Graph, strategies: dict, ctx: CostContext, recomputed: R
                      else backward_working_set(graph, node, s, ctx, grad) for s in options)
             transient = max(transient, ws + 2 * inputs)
     return max(held + edges + transient, late)
+
+
+def time_limit_error(left_s: float, why: str) -> InfeasibleError:
+    """The error of an ILP left without a plan by the ``left_s`` seconds it
+    had of the compile's time limit, and ``why``."""
+    return InfeasibleError(f"the ILP found no plan within the {max(left_s, 0.0):.3g} s left of the compile's time "
+                           f"limit ({why}); raise it with time_limit_s= (autopar compile --time-limit)",
+                           status="TIME LIMIT")
 
 
 class _Both:
@@ -265,7 +268,7 @@ class _ILP:
     (``run``); False solves the MIP at once (tests compare the two optima)."""
 
     def __init__(self, graph: Graph, strategies: dict, ctx: CostContext, classes: dict | None,
-                 recomputed: Recomputation, backend: str, deadline: float = math.inf):
+                 recomputed: Recomputation, backend: str, deadline: float = math.inf, memory_binds: bool = True):
         self.graph, self.strategies, self.ctx, self.recomputed = graph, strategies, ctx, recomputed
         self.deadline = deadline  # time.perf_counter() by which building must end (the compile's time limit)
         self.grad = needs_grad(graph)
@@ -294,8 +297,8 @@ class _ILP:
         self.demands: list = []  # (free, groups, needed, producers): sum(free) + the groups' >= sum(needed)
         self.made_from: dict = {}  # a demanded reshard's group -> (its spec's variables, producer instances)
         self.paid: dict = {}  # (shared group, producer instance) -> its variable (settle_shared)
-        self.memory_binds = True  # False where no plan can exceed the budget (``solve``): memory-only terms
-        # are then read off the solution (_Both, _Any), not modelled
+        self.memory_binds = memory_binds  # False where no plan can exceed the budget (``solve``): memory-only
+        # terms are then read off the solution (_Both, _Any), not modelled
         self.largest_transient = 0.0
         self.working: dict = {}  # op -> its backward working set's terms (on the timeline)
         self.resharded_grads: dict = {}  # op -> terms of its inputs' gradients resharded in its backward
@@ -675,9 +678,7 @@ class _ILP:
                 replay or synced or early for _, replay, _, _, synced, _, early in priced.values()):
             # every cost of this edge is a shared reshard's: no y pairs, the
             # consumer's key asks for a reshard from the producer's spec (``_demand``)
-            wanted = {}
-            for key, members in in_groups.items():
-                wanted[key] = [x[dst][j] for j, _ in members]
+            wanted = {key: [x[dst][j] for j, _ in members] for key, members in in_groups.items()}
             self._demand(src, wanted, out_groups, priced, producers, instances, join)
             self.demanded += len(priced)
             return
