@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar import spmd
+from autopar import local_ops, spmd
 from autopar.cost_models.collectives import BUCKET_BYTES
 from autopar.capture import is_size
 from autopar.errors import AutoparError, PlanError
@@ -483,7 +483,7 @@ class _Emitter:
             new = g.call_function(spmd.reshape, (src.name, src.target, args[0], shape))
         elif node.state_update:
             new = g.call_function(spmd.state_update, (src.name, src.target, strategy, *args), kwargs)
-        elif spmd.runs_as_is(src.target) and "avg" not in plan_node.output_spec and not gathered:
+        elif local_ops.runs_as_is(src.target) and "avg" not in plan_node.output_spec and not gathered:
             new = g.call_function(src.target, tuple(args), kwargs)
         else:
             new = g.call_function(spmd.op, (src.name, src.target, strategy, *args), kwargs)

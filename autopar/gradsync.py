@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.cost_models.collectives import BUCKET_BYTES, step_bucket_bytes
-from autopar.spmd import _all_gather, _group_over, _reduce_scatter, _scoped
+from autopar.moves import _all_gather, _group_over, _reduce_scatter, _scoped
 
 
 class GradAccumulation:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_unflatten, treespec_loads
 
-from autopar import errors, gradsync, rankcheck, spmd
+from autopar import errors, gradsync, local_ops, rankcheck, spmd
 from autopar.cost_models.collectives import BUCKET_BYTES
 from autopar.errors import AutoparError, FactoryError, InputError, LaunchError
 from autopar.offload import OffloadOptimizer, is_offloaded, mark_offloaded
@@ -264,7 +264,7 @@ class ParallelModule(nn.Module):
             if not self._local_inputs:
                 rankcheck.same_inputs(inputs, device)
             self._inputs_checked = True
-        with spmd.use_mesh(self.mesh), spmd.random_step(), gradsync.grad_sync(self.mesh, self.bucket_bytes):
+        with spmd.use_mesh(self.mesh), local_ops.random_step(), gradsync.grad_sync(self.mesh, self.bucket_bytes):
             flat = self._program(*self._flat_args(inputs))
         return tree_unflatten(list(flat), self._out_spec)
 

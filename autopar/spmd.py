@@ -10,7 +10,8 @@ plan), so the program carries no placement metadata at run time:
   all-to-all the plan lists for that edge, DTensor's collectives), and in
   backward moves its gradient as the second spec says;
 * ``op`` runs an op that needs to know its shard (an embedding over a split
-  vocabulary, a batch norm over a split batch, a random op, a mean loss);
+  vocabulary, a batch norm over a split batch, a random op, a mean loss:
+  their implementations are autopar.local_ops');
 * the gradient of an input that is replicated over a mesh axis its consumer
   splits comes back a partial sum over that axis. Where a value has such
   uses, codegen sums its gradient where the value is made
@@ -18,102 +19,32 @@ plan), so the program carries no placement metadata at run time:
   that gives the whole gradient on every rank passes it on coordinate 0 of
   the axis only (``grad_share``), so that the uses add up. Parameters leave
   that sum to ``gradsync.GradSync`` (DDP's bucketed all-reduces, during backward).
+
+The collectives under all of them, and the mesh the program runs on
+(``use_mesh``), are autopar.moves'.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
-import logging
 import math
-import threading
 import weakref
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.attention.bias
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_map
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
-from autopar.cost_models.resharding import nested_inside, producer_grad_spec
-from autopar.passes.rules.attention import zigzag_axes
-from autopar.passes.rules.experts import dispatch_axes
-from autopar.passes.rules.indexing import routed_axes
+from autopar.cost_models.resharding import producer_grad_spec
+from autopar.local_ops import _local_impl, _per_shard_rng
+from autopar.moves import (
+    _all_reduce, _gather, _mesh, _move, _off_first, _recomputing, _redistribute, _scatter, _scoped, _spec, _state,
+    use_mesh,
+)
 from autopar.passes.strategy import parse_spec
-
-# torch 2.13 renamed these two and warns on the old names (FutureWarning, once per rank)
-_all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-_backend_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) \
-    or torch.distributed.reduce_scatter_tensor
-
-
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
-    """``out`` = this rank's 1/n of ``flat`` summed over ``group``. On gloo
-    as one pairwise exchange (each rank sends rank j its j-th piece:
-    all_to_all) and a local sum of the n pieces received: gloo's own
-    reduce-scatter clones the whole buffer and all-reduces it
-    (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.13), twice
-    the bytes and 2(n - 1) ring latencies. The cost model prices it so
-    (``AxisLinks.pairwise_reduce_scatter``). ``async_op``: started; returns
-    the call that finishes it."""
-    if torch.distributed.get_backend(group) != "gloo":
-        work = _backend_reduce_scatter(out, flat, group=group, async_op=async_op)
-        return work.wait if async_op else None
-    n = torch.distributed.get_world_size(group)
-    pieces = torch.empty_like(flat, memory_format=torch.contiguous_format)
-    work = torch.distributed.all_to_all_single(pieces, flat.contiguous(), group=group, async_op=async_op)
-
-    def finish() -> None:
-        if work is not None:
-            work.wait()
-        torch.sum(pieces.view(n, -1), dim=0, out=out.view(-1))
-    return finish if async_op else finish()
-
-_state = threading.local()
-
-
-class _PlannedPerAxis(logging.Filter):
-    """DTensor warns, on every rank, when a redistribute over several mesh axes
-    runs one collective per axis. In an emitted program that is the plan: the
-    cost model prices a collective per mesh axis, on that axis's link
-    (cost_models/resharding.py), so the hint is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("While redistributing from")
-
-
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PlannedPerAxis())
-
-
-@contextlib.contextmanager
-def _scoped(name: str, value):
-    """Set ``_state.<name>`` for the duration of a ``with`` block (then restore it)."""
-    prev = getattr(_state, name, None)
-    setattr(_state, name, value)
-    try:
-        yield
-    finally:
-        setattr(_state, name, prev)
-
-
-def use_mesh(mesh):
-    """Run emitted code on ``mesh`` (a torch DeviceMesh)."""
-    return _scoped("mesh", mesh)
-
-
-def _mesh():
-    mesh = getattr(_state, "mesh", None)
-    if mesh is None:
-        raise RuntimeError("autopar program called outside autopar.spmd.use_mesh(mesh)")
-    return mesh
-
-
-@functools.lru_cache(maxsize=None)
-def _spec(text: str, ndim: int) -> tuple:
-    return parse_spec(text, ndim)
 
 
 def param(local: torch.Tensor, spec: str, axes: tuple) -> torch.Tensor:
@@ -151,127 +82,6 @@ def param(local: torch.Tensor, spec: str, axes: tuple) -> torch.Tensor:
 
 
 # --- moving values between placements, with autograd ----------------------
-
-@functools.lru_cache(maxsize=None)
-def _move(text: str, ndim: int) -> tuple:
-    """'S(0)R->RR' -> ((Shard(0), Replicate()), (Replicate(), Replicate()))."""
-    src, _, dst = text.partition("->")
-    return parse_spec(src.strip(), ndim), parse_spec(dst.strip(), ndim)
-
-
-def _off_first(mesh, axes) -> bool:
-    """Whether this rank is off coordinate 0 on any of mesh ``axes``."""
-    coord = mesh.get_coordinate()
-    return any(coord[a] != 0 for a in axes)
-
-
-def _redistribute(local: torch.Tensor, mesh, src: tuple, dst: tuple, even: bool = False) -> torch.Tensor:
-    """This rank's piece of a value placed ``src`` when it is placed ``dst``:
-    local slices for R -> S, then one axis at a time, innermost first, the
-    collective each step is (``_one_axis``), and DTensor's redistribute for
-    what is left (S -> S, S -> P, pieces that nest otherwise: the same
-    pieces, more Python per call). A gather is one collective of ours only
-    where the caller knows that the pieces are ``even`` (a rank's own piece
-    cannot tell: every rank must choose the same way). A Partial (sum) made from a value
-    that was not one keeps the value on coordinate 0 of that axis and zeros
-    elsewhere (DTensor makes Partials only inside its own ops)."""
-    if src == dst:
-        return local
-    zero = [a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(d, Partial) and not isinstance(s, Partial)]
-    via = tuple(Replicate() if a in zero else d for a, d in enumerate(dst))
-    local, src = _slice(local, mesh, src, via)
-    while via != src:  # one axis at a time, the last (innermost) first, where that is one collective
-        for a in reversed(range(len(src))):
-            step = tuple(via[b] if b == a else p for b, p in enumerate(src))
-            direct = _one_axis(local, mesh, src, step, even) if step != src else None
-            if direct is not None:
-                local, src = direct, step
-                break
-        else:
-            dt = DTensor.from_local(local, mesh, src, run_check=False)
-            local, src = _waited(dt.redistribute(mesh, via).to_local()), via
-    if zero and _off_first(mesh, zero):
-        local = torch.zeros_like(local)
-    return local
-
-
-def _slice(local: torch.Tensor, mesh, src: tuple, dst: tuple) -> tuple:
-    """The R -> S(d) steps of a move done here, as views of ``local`` (no
-    communication), where they give DTensor's pieces: a dim split over
-    several axes is cut with the first axis outermost, so a step is taken
-    only where every other axis that splits the dim comes first and keeps
-    it. Returns the local value and its placements after them."""
-    coord = mesh.get_coordinate()
-    if any(type(c) is not int for c in coord):  # simulated ranks (LocalTensorMode): DTensor's own split
-        return local, src
-    src = list(src)
-    for a, (s, d) in enumerate(zip(src, dst)):
-        if isinstance(s, Replicate) and isinstance(d, Shard) and all(
-                b < a and dst[b] == p for b, p in enumerate(src) if isinstance(p, Shard) and p.dim == d.dim):
-            local = local.chunk(mesh.size(a), dim=d.dim)[coord[a]]
-            src[a] = d
-    return local, tuple(src)
-
-
-def _one_axis(local: torch.Tensor, mesh, src: tuple, dst: tuple, even: bool = False) -> torch.Tensor | None:
-    """A move on one mesh axis as the one collective it is, called directly
-    (DTensor's redistribute costs more in Python than a small collective
-    on the wire): S(d) -> R an all-gather (pieces ``even``), P -> R an
-    all-reduce, P -> S(d) a reduce-scatter (dim d divides). The pieces are
-    DTensor's where every other axis that splits dim d comes first (it cuts
-    the dim outside this one; ``_nested`` where one comes after). None: not
-    such a move."""
-    changed = [a for a, (s, d) in enumerate(zip(src, dst)) if s != d]
-    if len(changed) != 1 or any(type(c) is not int for c in mesh.get_coordinate()):
-        return None
-    a = changed[0]
-    s, d = src[a], dst[a]
-    if isinstance(s, Partial) and s.reduce_op != "sum":
-        return None
-    if (isinstance(s, Shard) and not even) or (isinstance(d, Shard) and local.shape[d.dim] % mesh.size(a)):
-        return None
-    shard = s if isinstance(s, Shard) else d if isinstance(d, Shard) else None
-    if shard is not None and any(isinstance(p, Shard) and p.dim == shard.dim and b > a for b, p in enumerate(src)):
-        # the dim is cut inside this axis's pieces too: they nest
-        b = nested_inside(src, a, shard.dim, mesh.shape)
-        return None if b is None else _nested(local, mesh, a, b, s, d)
-    if isinstance(s, Shard) and isinstance(d, Replicate):
-        return _gather((local,), mesh, a, (s.dim,))[0]
-    if isinstance(s, Partial) and isinstance(d, Replicate):
-        out = local.clone(memory_format=torch.contiguous_format)
-        torch.distributed.all_reduce(out, group=mesh.get_group(a))
-        return out
-    if isinstance(s, Partial) and isinstance(d, Shard):
-        piece = local.chunk(mesh.size(a), dim=d.dim)[0]
-        return _scatter((local,), mesh, a, (d.dim,), [piece.shape])[0]
-    return None
-
-
-def _nested(local: torch.Tensor, mesh, a: int, b: int, s, d) -> torch.Tensor | None:
-    """S(d) -> R, or P -> S(d), on axis ``a`` of a dim that a later axis
-    ``b`` splits too, of the same size n. With a outermost, rank (i, j) of
-    (a, b) holds piece i*n + j of the dim (DTensor's order); R on a and S(d)
-    on b is chunk j, pieces j*n .. j*n + n-1. So an all-gather over a
-    (pieces k*n + j, k < n) and an all-to-all over b that sends the k-th to
-    rank k of b; in backward, the all-to-all first, then a reduce-scatter
-    over a (``resharding.nested_inside`` names b and prices the all-to-all).
-    None where that is not the move (DTensor's redistribute)."""
-    n = mesh.size(a)
-    if isinstance(s, Shard) and isinstance(d, Replicate):
-        gathered = local.new_empty(n * local.numel())
-        _all_gather(gathered, local.reshape(-1), group=mesh.get_group(a))
-        mine = torch.empty_like(gathered)
-        torch.distributed.all_to_all_single(mine, gathered, group=mesh.get_group(b))
-        return torch.cat(mine.view(n, *local.shape).unbind(0), dim=s.dim)
-    if isinstance(s, Partial) and isinstance(d, Shard):
-        rows = torch.stack(local.chunk(n, dim=d.dim)).contiguous()
-        routed = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(routed.view(-1), rows.view(-1), group=mesh.get_group(b))
-        out = rows.new_empty(rows[0].numel())
-        _reduce_scatter(out, routed.view(-1), group=mesh.get_group(a))
-        return out.view(rows.shape[1:])
-    return None
-
 
 class _Reshard(torch.autograd.Function):
     """``_redistribute`` forward (``fwd``: src, dst), and its gradient from
@@ -346,55 +156,6 @@ def grad_share(x: torch.Tensor, axes: tuple) -> torch.Tensor:
     if not (x.requires_grad and torch.is_grad_enabled()):
         return x
     return _ShareGrad.apply(x, _mesh(), axes)
-
-
-def _all_reduce(t: torch.Tensor, mesh, axes) -> torch.Tensor:
-    """Sum ``t`` in place over mesh ``axes`` (one group for all of them where one exists)."""
-    if len(axes) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
-        torch.distributed.all_reduce(t)
-        return t
-    for a in axes:
-        torch.distributed.all_reduce(t, group=mesh.get_group(a))
-    return t
-
-
-class _SumOver(torch.autograd.Function):
-    """Sum over mesh axes (an all-reduce); each rank's input is a summand, so
-    its gradient is the sum's gradient summed over the ranks that read it."""
-
-    @staticmethod
-    def forward(ctx, t, mesh, axes):
-        ctx.mesh, ctx.axes = mesh, axes
-        return _all_reduce(t.clone(), mesh, axes)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.mesh, ctx.axes), None, None
-
-
-class _GatherOver(torch.autograd.Function):
-    """Every rank's ``t`` stacked (one all-gather over ``group``); in
-    backward each rank's share of the gradient, summed over the ranks that
-    read it (one reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        n = torch.distributed.get_world_size(group)
-        out = t.new_empty(n * t.numel())
-        _all_gather(out, t.reshape(-1), group=group)
-        return out.view(n, *t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        mine = grad.new_empty(grad[0].numel())
-        _reduce_scatter(mine, grad.reshape(-1), group=ctx.group)
-        return mine.view(grad.shape[1:]), None
-
-
-def _reduce_over(t: torch.Tensor, mesh, axes: list) -> torch.Tensor:
-    """Sum of ``t`` over the ranks of mesh ``axes``, with autograd."""
-    return _SumOver.apply(t, mesh, tuple(axes))
 
 
 def shard_input(t: torch.Tensor, spec: str, shape: list, local_input: bool = False) -> torch.Tensor:
@@ -472,55 +233,6 @@ def _bucket_axes(moves: tuple, mesh) -> tuple:
     return axes, tuple(tuple(src[a].dim for src, _ in placed) for a in axes)
 
 
-def _gather(shards, mesh, axis: int, dims, async_op: bool = False):
-    """Each of ``shards`` gathered over mesh ``axis`` on its dim in ``dims``:
-    one all-gather (``async_op``: started; returns the call that finishes it)."""
-    n = mesh.size(axis)
-    flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
-    out = flat.new_empty(n * flat.numel())
-    work = _all_gather(out, flat, group=mesh.get_group(axis), async_op=async_op)
-
-    def finish() -> tuple:
-        if work is not None:
-            work.wait()
-        parts, fulls, offset = out.view(n, -1), [], 0
-        for s, d in zip(shards, dims):
-            pieces = parts[:, offset:offset + s.numel()].reshape(n, *s.shape)
-            # on dim 0 the pieces stack as they lie (a view of the buffer where it holds one tensor)
-            fulls.append(pieces.reshape(n * s.shape[0], *s.shape[1:]) if d == 0 else torch.cat(pieces.unbind(0), dim=d))
-            offset += s.numel()
-        return tuple(fulls)
-    return finish if async_op else finish()
-
-
-def _scatter(grads, mesh, axis: int, dims, shapes, whole: bool = False, async_op: bool = False):
-    """``_gather``'s backward: each rank's piece of the sum of ``grads`` over
-    mesh ``axis``, shaped ``shapes``: one reduce-scatter (``whole``: every
-    rank has the sum already; its piece). ``async_op``: the reduce-scatter
-    started; returns the call that finishes it and gives the pieces."""
-    n = mesh.size(axis)
-    if whole:
-        mine = mesh.get_local_rank(axis)
-        pieces = tuple(g.chunk(n, dim=d)[mine].contiguous().view(shape) for g, d, shape in zip(grads, dims, shapes))
-        return (lambda: pieces) if async_op else pieces
-    # rank r's row: its piece of every gradient, so that a reduce-scatter leaves each rank its own
-    blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, dim=d)]) for g, d in zip(grads, dims)]
-    rows = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
-    mine = rows.new_empty(rows.shape[1])
-    started = _reduce_scatter(mine, rows.reshape(-1), group=mesh.get_group(axis), async_op=async_op)
-
-    def finish() -> tuple:
-        if started is not None:
-            started()
-        out, offset = [], 0
-        for shape in shapes:
-            k = math.prod(shape)
-            out.append(mine[offset:offset + k].view(shape))
-            offset += k
-        return tuple(out)
-    return finish if async_op else finish()
-
-
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mesh, axes, dims, whole, ahead, *shards):
@@ -549,6 +261,8 @@ class _GatherBucket(torch.autograd.Function):
 # --- ZeRO-3: gathered parameters are gathered again in backward, not kept ---------
 
 PREFETCH_NOTES = 2
+
+
 """How many regathered parameters backward gathers ahead of their use (each
 a full copy alive early): two, since backward unpacks an op's saved tensors
 in about the reverse of the order forward saved them, not exactly (a linear
@@ -647,11 +361,6 @@ def _gather_ahead(note: _Note):
     return lambda: finish()[0]
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, once an in-flight functional collective producing it has finished."""
-    return t.wait() if hasattr(t, "wait") else t
-
-
 _regather = _Regather()
 
 
@@ -733,11 +442,6 @@ def checkpoint(layer, *args):
             return layer(*full)
 
     return torch.utils.checkpoint.checkpoint(run, *(args[i] for i in tracked), use_reentrant=False)
-
-
-def _recomputing() -> bool:
-    """Whether ops run again in backward (the second run of a checkpoint)."""
-    return bool(getattr(_state, "recomputing", False))
 
 
 def state_update(node: str, fn, strategy: str, *args, **kwargs):
@@ -853,464 +557,3 @@ class _Pending(torch.Tensor):
             return func(args[0].elem, **kwargs)
         unwrap = lambda t: t.wait() if isinstance(t, _Pending) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-
-
-
-
-# --- local implementations that need to know their shard -----------------
-
-def _plain(fn, mesh, st, args, kwargs):
-    return fn(*args, **kwargs)
-
-
-def _mean_loss(fn, mesh, st, args, kwargs):
-    """cross_entropy / nll_loss with a mean over a batch split: this rank's loss
-    sum over the global count of targets that are not ignore_index, so the
-    Partial sum over ranks is the single-device mean. The count is all-reduced
-    (a 4-byte all-reduce on the split axes, inside the op)."""
-    partial = [a for a, p in enumerate(st.output) if isinstance(p, Partial)]
-    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
-    if not partial or reduction != 1:
-        return fn(*args, **kwargs)
-    target = args[1]
-    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-    summed = list(args) + [None] * (4 - len(args))  # (input, target, weight, reduction, ...)
-    summed[3] = 2  # torch's Reduction.Sum
-    total = fn(*summed, **{k: v for k, v in kwargs.items() if k != "reduction"})
-    if target.is_floating_point():  # class probabilities (dim 1): the mean is over the samples
-        count = torch.ones_like(target.select(1, 0)).sum().to(total.dtype)
-    else:
-        count = (target != ignore).sum().to(total.dtype)
-    count = _reduce_over(count.detach(), mesh, partial)
-    return total / count
-
-
-def _affine_grid(fn, mesh, st, args, kwargs):
-    """F.affine_grid's ``size`` names the batch: this rank's share of it."""
-    theta, size, *rest = args
-    return fn(theta, [theta.shape[0], *size[1:]], *rest, **kwargs)
-
-
-def _shard_index(mesh, placements, dim: int | None = None) -> tuple[int, int]:
-    """(index, count) of this rank's piece of a dim sharded on several axes
-    (axis 0 outermost); ``dim`` None: over the axes that split any dim (ranks
-    of an axis that replicates the tensor share an index)."""
-    coord = mesh.get_coordinate()
-    index, count = 0, 1
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard) and (dim is None or p.dim == dim):
-            index = index * mesh.size(axis) + coord[axis]
-            count *= mesh.size(axis)
-    return index, count
-
-
-def _embedding(fn, mesh, st, args, kwargs):
-    """Lookup in this rank's rows of the table: ids outside them give zeros, so
-    over a vocabulary split the result is a Partial (sum). The padding id's
-    lookups pass no gradient, whichever rank holds its row (the local call
-    gets no padding_idx: the global one would name another row of a shard)."""
-    w, idx, *rest = args
-    index, count = _shard_index(mesh, st.inputs[0], 0)
-    if count == 1:
-        return fn(w, idx, *rest, **kwargs)
-    padding = rest[0] if rest else kwargs.get("padding_idx", -1)
-    rest, kwargs = rest[1:], {k: v for k, v in kwargs.items() if k != "padding_idx"}
-    start = index * w.shape[0]
-    inside = (idx >= start) & (idx < start + w.shape[0])
-    out = fn(w, torch.where(inside, idx - start, torch.zeros_like(idx)), -1, *rest, **kwargs)
-    out = out * inside.unsqueeze(-1).to(out.dtype)
-    return torch.where((idx == padding).unsqueeze(-1), out.detach(), out) if padding >= 0 else out
-
-
-def _batch_norm(fn, mesh, st, args, kwargs):
-    """Training-mode batch norm on split inputs.
-
-    The batch (or a spatial dim) split: synchronised statistics (as
-    torch.nn.SyncBatchNorm): each rank's per-channel mean and sum of squared
-    deviations are all-gathered over the split axes (one collective of 2C
-    values a rank, inside the op; one reduce-scatter of their gradients in
-    backward) and combined exactly (the pairwise update of Chan, Golub and
-    LeVeque 1979), so every rank normalises with the statistics of the
-    global batch. The channel split: the op on the rank's channels.
-
-    Running statistics (the rule passes the buffers whole) are updated as one
-    device would, momentum-weighted with the batch mean and unbiased
-    variance; with the channels split each rank's update is all-gathered over
-    those axes, so every rank holds every channel's. A recomputation
-    (checkpoint.recomputing) leaves them alone: one update per forward."""
-    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-    a = dict(zip(names, args))
-    a.update({k: v for k, v in kwargs.items() if k in names})
-    x, running = a["input"], (a.get("running_mean"), a.get("running_var"))
-    placements = st.inputs[0]
-    split = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim != 1})
-    channels = sorted({axis for axis, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 1})
-    tracked = a.get("training") and running[0] is not None
-    if not a.get("training") or not (split or (tracked and (channels or _recomputing()))):
-        return fn(*args, **kwargs)
-    stats_placements = tuple(Shard(0) if axis in channels else Replicate() for axis in range(mesh.ndim))
-    if tracked:  # this rank's channels of the running statistics, as a copy
-        whole = (Replicate(),) * mesh.ndim
-        old = [_redistribute(r, mesh, whole, stats_placements).clone() for r in running]
-    if split:
-        dims = [d for d in range(x.ndim) if d != 1]
-        local = math.prod(x.shape[d] for d in dims)  # every rank's count: the shards divide evenly
-        shape = [1, x.shape[1]] + [1] * (x.ndim - 2)
-        mine = x.mean(dims)
-        stats = _GatherOver.apply(torch.stack([mine, ((x - mine.view(shape)) ** 2).sum(dims)]),
-                                  _group_over(mesh, tuple(split)))
-        means, squares = stats[:, 0], stats[:, 1]  # every rank's mean and sum of squared deviations
-        count = local * stats.shape[0]
-        mean = means.mean(0)
-        var = (squares.sum(0) + local * ((means - mean) ** 2).sum(0)) / count  # Chan et al.'s pairwise update
-        out = (x - mean.view(shape)) * torch.rsqrt(var + a.get("eps", 1e-5)).view(shape)
-        if a.get("weight") is not None:
-            out = out * a["weight"].view(shape)
-        if a.get("bias") is not None:
-            out = out + a["bias"].view(shape)
-        if tracked:
-            m = a.get("momentum", 0.1)
-            with torch.no_grad():
-                new = [(1 - m) * old[0] + m * mean.detach(),
-                       (1 - m) * old[1] + m * var.detach() * (count / max(count - 1, 1))]
-    else:  # channels split: the op updates this rank's copy
-        local = list(args)
-        local[3:5] = old
-        out = fn(*local, **{k: v for k, v in kwargs.items() if k not in ("running_mean", "running_var")})
-        new = old
-    if tracked and not _recomputing():
-        with torch.no_grad():
-            for buffer, mine in zip(running, new):
-                full = _redistribute(mine, mesh, stats_placements, (Replicate(),) * mesh.ndim) \
-                    if channels else mine
-                buffer.copy_(full.to(buffer.dtype))
-    return out
-
-
-def _grouped_mm(fn, mesh, st, args, kwargs):
-    """A grouped matmul (passes/rules/experts.py) with its experts or its
-    sorted tokens split: this rank's experts' rows among this rank's rows.
-
-    The offsets (whole) give every expert's global rows; those of the rank's
-    experts (the weight's dim 0 split) that fall in the rank's rows (the
-    input's dim 0 split) are ``lo:hi`` of the local input. The input is
-    rotated by ``lo`` so that they come first, the op runs with the offsets
-    shifted by the shard's first row and by ``lo`` (it computes nothing
-    beyond the last one), rows from ``hi - lo`` on are zeroed in its input
-    and output (torch's kernel leaves them, and their input gradient,
-    undefined) and the rotation is undone: rows of other experts
-    are zero, so over an expert split the result is a Partial sum. All of
-    it is tensor arithmetic on the coordinate, with autograd. Without
-    offsets (a batch of matmuls) the op runs as it is."""
-    x, w, *rest = args
-    kwargs = dict(kwargs)
-    offs = rest.pop(0) if rest else kwargs.pop("offs", None)
-    axes = dispatch_axes(st.inputs[0], st.inputs[1], tuple(mesh.shape))
-    if axes and offs is not None:
-        return _expert_parallel(fn, mesh, st, axes, x, w, offs, rest, kwargs)
-    row, rows = _shard_index(mesh, st.inputs[0], 0)
-    expert, experts = _shard_index(mesh, st.inputs[1], 0)
-    if offs is None or (rows == 1 and experts == 1):  # a batched (3-D) one splits as a bmm
-        return fn(x, w, offs, *rest, **kwargs)
-    n, e = x.shape[0], w.shape[0]
-    starts = torch.cat([offs.new_zeros(1), offs])
-    bounds = starts.index_select(0, torch.arange(e + 1, device=offs.device) + expert * e)
-    bounds = (bounds - row * n).clamp(0, n)  # this rank's experts' boundaries among its rows
-    lo, hi = bounds[0], bounds[-1]
-    positions = torch.arange(n, device=x.device)
-    mine = (positions < hi - lo).unsqueeze(-1)
-    first = x.index_select(0, (positions + lo) % n)
-    first = torch.where(mine, first, torch.zeros_like(first))  # so that their undefined gradient is dropped
-    out = fn(first, w, (bounds[1:] - lo).to(offs.dtype), *rest, **kwargs)
-    out = torch.where(mine, out, torch.zeros_like(out))
-    return out.index_select(0, (positions - lo) % n)
-
-
-def _expert_parallel(fn, mesh, st, axes, x, w, offs, rest, kwargs):
-    """A grouped matmul with its sorted rows and its experts split over the
-    same ``axes`` (passes/rules/experts.py, dispatch_axes): every rank sends
-    each of its rows to the rank holding that row's expert (the whole
-    offsets say which, on every rank alike, so no sizes are exchanged),
-    which runs its experts on the rows it gets, in sorted order, and sends
-    the results back; rows of no expert stay zero. Two all-to-alls
-    (``_Route``), each with its backward."""
-    group = _group_over(mesh, axes)
-    me, n = _shard_index(mesh, st.inputs[0], 0)
-    local, experts = x.shape[0], w.shape[0]
-    expert = torch.searchsorted(offs, torch.arange(local * n, device=offs.device, dtype=offs.dtype), right=True)
-    owner = torch.where(expert < experts * n, expert // experts, n).view(n, local)  # n: no expert's row
-    ranks = torch.arange(n, device=owner.device)
-    counts = (owner[me].unsqueeze(0) == ranks.unsqueeze(1)).sum(1).tolist()
-    send = torch.argsort(owner[me], stable=True)[:sum(counts)]  # my rows by the rank they go to
-    arriving = (owner == me).sum(1).tolist()
-    rows = _Route.apply(x, group, send, counts, arriving)  # my experts' rows, in sorted order
-    base = offs[me * experts - 1] if me > 0 else offs.new_zeros(())
-    out = fn(rows, w, (offs[me * experts:(me + 1) * experts] - base).to(offs.dtype), *rest, **kwargs)
-    back = _Route.apply(out, group, torch.arange(out.shape[0], device=out.device), arriving, counts)
-    return out.new_zeros((local, *out.shape[1:])).index_copy(0, send, back)
-
-
-class _Route(torch.autograd.Function):
-    """Rows (dim 0) sent between the ranks of ``group`` by one all-to-all:
-    ``send`` the local rows to send, grouped by destination in rank order,
-    ``counts`` how many go to each rank, ``arriving`` how many come from
-    each; returns the rows received, in rank order. In backward their
-    gradients go back where the rows came from and add into them."""
-
-    @staticmethod
-    def forward(ctx, rows, group, send, counts, arriving):
-        ctx.group, ctx.send, ctx.counts, ctx.arriving, ctx.n = group, send, counts, arriving, rows.shape[0]
-        out = rows.new_empty((sum(arriving), *rows.shape[1:]))
-        torch.distributed.all_to_all_single(out, rows.index_select(0, send), arriving, counts, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.counts), *grad.shape[1:]))
-        torch.distributed.all_to_all_single(back, grad.contiguous(), ctx.counts, ctx.arriving, group=ctx.group)
-        return grad.new_zeros((ctx.n, *grad.shape[1:])).index_add_(0, ctx.send, back), None, None, None, None
-
-
-def _index(fn, mesh, st, args, kwargs):
-    """Advanced indexing ``x[..., positions, ...]`` with x split along the
-    indexed dim and the positions whole (passes/rules/indexing.py,
-    routed_axes): the result is split along dim j of the positions, and
-    each rank fetches the rows of its chunk of positions from the ranks
-    that hold them (one all-to-all, ``_Route``; every rank knows from the
-    whole positions what each other needs from it). Otherwise the op runs
-    as it is."""
-    x, indices = args[0], list(args[1])
-    axes = routed_axes(st.inputs[0], indices, tuple(mesh.shape))
-    if not axes:
-        return fn(*args, **kwargs)
-    d = next(k for k, t in enumerate(indices) if t is not None)
-    positions = indices[d]
-    j = st.output[axes[0]].dim - d
-    group = _group_over(mesh, axes)
-    me, n = _shard_index(mesh, st.inputs[0], d)
-    held = x.shape[d]
-    whole = torch.where(positions < 0, positions + held * n, positions).movedim(j, 0)
-    chunk = whole.shape[0] // n
-    wanted = whole.reshape(n, -1)  # rank r's positions, in order
-    owner = wanted // held
-    counts = (owner == me).sum(1).tolist()
-    send = wanted[owner == me] - me * held  # my rows each rank wants, by rank
-    arriving = torch.bincount(owner[me], minlength=n).tolist()
-    got = _Route.apply(x.movedim(d, 0), group, send, counts, arriving)
-    order = torch.argsort(owner[me], stable=True)  # which of my positions each arriving row is
-    rows = got.index_select(0, torch.argsort(order))
-    rest = [x.shape[k] for k in range(x.ndim) if k != d]
-    out = rows.reshape(chunk, *whole.shape[1:], *rest).movedim(0, j)  # (positions' dims, x's other dims)
-    k = positions.ndim
-    return out.permute(*range(k, k + d), *range(k), *range(k + d, out.ndim))
-
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _attention(fn, mesh, st, args, kwargs):
-    """Causal attention with the queries' sequence split (context
-    parallelism, passes/rules/attention.py): keys and values arrive whole, and
-    the queries at positions ``p .. p + m`` attend to keys ``0 .. p + m``,
-    the last m causally (the lower-right-aligned causal mask, which torch's
-    kernels run without materialising it where they can). Where the chunks
-    halve (``zigzag_axes``), the work is balanced: query halves move by an
-    all-to-all over the axes that split the sequence so that rank j of cp
-    computes halves j and 2cp-1-j, and the outputs move back (their
-    gradients the other way in backward, ``_Zigzag``); otherwise each rank
-    computes its contiguous chunk, the last the most. Without
-    ``is_causal``, or with the sequence whole, the op runs as it is."""
-    a = dict(zip(_SDPA_ARGS, args), **kwargs)
-    q = a["query"]
-    seq = q.ndim - 2
-    index, count = _shard_index(mesh, st.inputs[0], seq)
-    if count == 1 or not a.get("is_causal", False):
-        return fn(*args, **kwargs)
-    n = q.shape[seq]
-    axes = zigzag_axes(st.inputs[0], seq, n, tuple(mesh.shape))
-    if not axes:
-        return _causal_chunk(a, q, index * n)
-    group, m = _group_over(mesh, axes), n // 2
-    mine = _Zigzag.apply(q, group, seq, count, index, False)
-    halves = [_causal_chunk(a, part, h * m) for part, h in zip(mine.split(m, dim=seq), (index, 2 * count - 1 - index))]
-    return _Zigzag.apply(torch.cat(halves, dim=seq), group, seq, count, index, True)
-
-
-_GROUPS: dict = {}
-
-
-def _group_over(mesh, axes: tuple):
-    """The process group of the ranks that differ only in mesh ``axes``,
-    numbered as a dim split over those axes numbers its pieces (the first
-    axis outermost): the axis's own group, or the mesh's flattening of them
-    (made once per mesh, by every rank at the same point of the program)."""
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    if len(axes) == mesh.ndim and mesh.size() == torch.distributed.get_world_size():
-        return torch.distributed.group.WORLD
-    key = (mesh, axes)
-    if key not in _GROUPS:
-        if not mesh.mesh_dim_names:
-            raise ShardingError(f"a collective over mesh axes {axes} of a mesh without axis names: "
-                                "name the mesh's axes (init_device_mesh(..., mesh_dim_names=...))")
-        names = tuple(mesh.mesh_dim_names[a] for a in axes)
-        _GROUPS[key] = mesh[names]._flatten("_".join(names)).get_group()
-    return _GROUPS[key]
-
-
-def _causal_chunk(a: dict, q: torch.Tensor, start: int) -> torch.Tensor:
-    """Queries at positions ``start ..`` of a causal sequence against the keys up to their last."""
-    seq = q.ndim - 2
-    visible = start + q.shape[seq]
-    k, v = (t.narrow(t.ndim - 2, 0, visible) for t in (a["key"], a["value"]))
-    mask = torch.nn.attention.bias.causal_lower_right(q.shape[seq], visible)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=a.get("dropout_p", 0.0), scale=a.get("scale"),
-        enable_gqa=a.get("enable_gqa", False))
-
-
-def _zigzag(x: torch.Tensor, group, dim: int, cp: int, rank: int, back: bool) -> torch.Tensor:
-    """Sequence halves over one mesh axis of ``cp`` ranks, from the
-    contiguous layout (rank i holds halves 2i, 2i+1) to the balanced one
-    (rank j holds halves j, 2cp-1-j), or ``back``: one all-to-all, each
-    rank sending its two halves where they go (to itself, for some)."""
-    def held(r: int) -> tuple:
-        return (r, 2 * cp - 1 - r) if back else (2 * r, 2 * r + 1)
-
-    def dest(h: int) -> int:
-        return h // 2 if back else min(h, 2 * cp - 1 - h)
-
-    m = x.shape[dim] // 2
-    parts = dict(zip(held(rank), x.movedim(dim, 0).split(m)))
-    sending = sorted(parts, key=dest)  # all_to_all_single sends in rank order; sorted() keeps ties in order
-    arriving = [[h for h in sorted(held(r), key=dest) if dest(h) == rank] for r in range(cp)]
-    send = torch.cat([parts[h] for h in sending])
-    got = torch.empty_like(send)
-    torch.distributed.all_to_all_single(got, send, [m * len(hs) for hs in arriving],
-                                        [m * sum(dest(h) == r for h in sending) for r in range(cp)], group=group)
-    pieces = dict(zip([h for hs in arriving for h in hs], got.split(m)))
-    return torch.cat([pieces[h] for h in sorted(pieces)]).movedim(0, dim)
-
-
-class _Zigzag(torch.autograd.Function):
-    """``_zigzag`` forward, its inverse on the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, cp, rank, back):
-        ctx.args = (group, dim, cp, rank, not back)
-        return _zigzag(x, group, dim, cp, rank, back)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _zigzag(grad, *ctx.args), None, None, None, None, None
-
-
-class StepSeed:
-    """One random seed per training step, the same on every rank: rank 0 draws
-    it and broadcasts it, once, at the step's first random op. Random ops
-    derive their generators from it, so the draws do not depend on each
-    rank's own generator, which a training script may seed per rank (for
-    data augmentation, say)."""
-
-    def __init__(self):
-        self.seed = None
-
-    def get(self, mesh) -> int:
-        if self.seed is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
-            value = torch.randint(0, 2**62, (1,), device=device)
-            torch.distributed.broadcast(value, src=0)
-            self.seed = int(value.item())
-        return self.seed
-
-
-def random_step():
-    """The ops run inside the ``with`` block (one forward) share one StepSeed."""
-    return _scoped("step_seed", StepSeed())
-
-
-def _per_shard_rng(impl):
-    """A random op (dropout, bernoulli, rand_like, attention dropout).
-
-    Drawing on the local shard from the rank's own generator would give every
-    shard of a split tensor the same mask (every rank's generator is in the
-    same state), and could give the replicas of a replicated one different
-    masks (if the ranks were seeded apart). The op instead draws from a
-    generator seeded by the step's seed (StepSeed; without one, as in a unit
-    test, a draw of the default generator), the node's name and the shard's
-    index over the axes that split the output: shards draw independently,
-    replicas alike, and a recomputed layer (checkpoint keeps the step's seed)
-    draws what its forward drew. Statistically one device's independent
-    draws, not its bit pattern."""
-    def run(fn, mesh, st, args, kwargs):
-        if not _draws(fn, args, kwargs):
-            return impl(fn, mesh, st, args, kwargs)
-        index, _ = _shard_index(mesh, st.output)
-        step = getattr(_state, "step_seed", None)
-        seed = step.get(mesh) if step is not None else int(torch.randint(0, 2**62, (1,)))
-        node = zlib.crc32(str(getattr(_state, "node", "")).encode())
-        op_seed = (seed + node * 0xD1B54A32D192ED03 + index * 0x9E3779B97F4A7C15) % 2**62  # odd strides
-        devices = [torch.cuda.current_device()] if mesh.device_type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=mesh.device_type):
-            if mesh.device_type == "cuda":
-                torch.cuda.manual_seed(op_seed)  # this device's generator only
-            else:
-                torch.random.default_generator.manual_seed(op_seed)
-            return impl(fn, mesh, st, args, kwargs)
-    return run
-
-
-def _draws(fn, args, kwargs) -> bool:
-    """Whether the call draws random numbers (attention only with dropout, a
-    dropout only in training with p > 0)."""
-    if fn is torch.ops.aten.scaled_dot_product_attention.default:
-        return (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
-    if fn in _DROPOUTS:
-        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-        train = args[2] if len(args) > 2 else kwargs.get("train", True)
-        return bool(p > 0 and train)
-    if fn is torch.ops.aten.rrelu.default:  # a random slope per element in training only
-        return bool(args[3] if len(args) > 3 else kwargs.get("training", False))
-    return True
-
-
-_DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
-             torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
-             torch.ops.aten.feature_alpha_dropout.default}
-RANDOM_OPS = {*_DROPOUTS, torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.bernoulli.default,
-              torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default,
-              torch.ops.aten.randint_like.default, torch.ops.aten.randint_like.low_dtype, torch.ops.aten.rrelu.default,
-              torch.ops.aten.bernoulli.Tensor, torch.ops.aten.uniform.default, torch.ops.aten.normal_functional.default,
-              torch.ops.aten.exponential.default}
-
-LOCAL_IMPLS = {
-    torch.ops.aten.embedding.default: _embedding,
-    torch.ops.aten.cross_entropy_loss.default: _mean_loss,
-    torch.ops.aten.nll_loss.default: _mean_loss,
-    torch.ops.aten.nll_loss_nd.default: _mean_loss,
-    torch.ops.aten.batch_norm.default: _batch_norm,
-    torch.ops.aten.affine_grid_generator.default: _affine_grid,
-    torch.ops.aten._grouped_mm.default: _grouped_mm,
-    torch.ops.aten.index.Tensor: _index,
-    torch.ops.aten._unsafe_index.Tensor: _index,
-    torch.ops.aten.scaled_dot_product_attention.default: _attention,
-    "transformers.grouped_mm_fallback.default": _grouped_mm,  # a library's op, by name (passes/rules/experts.py)
-}
-LOCAL_IMPLS.update({fn: _per_shard_rng(LOCAL_IMPLS.get(fn, _plain)) for fn in RANDOM_OPS})
-
-
-def runs_as_is(fn) -> bool:
-    """Whether op ``fn`` runs on local shards exactly as on whole tensors (no
-    local implementation): the emitted program calls it directly."""
-    return _local_impl(fn) is _plain
-
-
-@functools.lru_cache(maxsize=None)
-def _local_impl(fn):
-    """The local implementation of op ``fn``: its entry (by the op, or for a
-    library's op by its name), or the op itself, found once per op (it
-    formatted the op's name on every call)."""
-    impl = LOCAL_IMPLS.get(fn)
-    if impl is None and isinstance(fn, torch._ops.OpOverload):
-        impl = LOCAL_IMPLS.get(str(fn))
-    return impl or _plain

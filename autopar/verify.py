@@ -71,7 +71,7 @@ def random_draws(graph) -> list[str]:
     (dropout with p > 0, noise drawn in forward, ...), as "op at location"."""
     from autopar.ir import NodeKind
     from autopar.passes.rules.factory import RANDOM_FACTORIES
-    from autopar.spmd import RANDOM_OPS, _draws
+    from autopar.local_ops import RANDOM_OPS, _draws
     return [f"{n.op_name} at {n.fqn or 'the top level'}" for n in graph.nodes.values()
             if n.kind is NodeKind.OP and n.info is not None and (n.target in RANDOM_OPS or n.target in RANDOM_FACTORIES)
             and _draws(n.target, n.info.args, n.info.kwargs)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from autopar import spmd
+from autopar import moves
 
 CPU_GEMM_SIZES = (64, 128, 256, 384, 512, 768, 1024)
 GPU_GEMM_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -170,7 +170,7 @@ def measure_collectives(device: torch.device, sizes) -> list[dict]:
     """All-reduce and all-gather through the functional collectives (on gloo
     they cost more than the in-place c10d call: an output buffer, the
     asynchronous work's hand-off), and reduce-scatter as the emitted
-    programs run it (``spmd._reduce_scatter``: on gloo a pairwise exchange)."""
+    programs run it (``moves._reduce_scatter``: on gloo a pairwise exchange)."""
     world, group = dist.get_world_size(), dist.group.WORLD
     out = []
     for nbytes in sizes:
@@ -182,7 +182,7 @@ def measure_collectives(device: torch.device, sizes) -> list[dict]:
         for kind, fn, full in (
             ("all_reduce", lambda: funcol.wait_tensor(funcol.all_reduce(buf, "sum", group)), numel * 4),
             ("all_gather", lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)), chunk * world * 4),
-            ("reduce_scatter", lambda: spmd._reduce_scatter(piece, whole, group), chunk * world * 4),
+            ("reduce_scatter", lambda: moves._reduce_scatter(piece, whole, group), chunk * world * 4),
         ):
             out.append({"kind": kind, "bytes": float(full), "seconds": _timed_collective(fn, device)})
     return out

@@ -227,7 +227,7 @@ def attention_share(node: Node, s: Strategy, mesh_shape: tuple) -> float:
     attention, which skips the masked score blocks (FLASH_CAUSAL_WORK); with
     its queries' sequence split over cp ranks in contiguous chunks the last
     rank computes (2cp - 1) / cp times the mean, balanced chunks the mean
-    (passes/rules/attention.py, zigzag_axes; autopar/spmd.py, _attention)."""
+    (passes/rules/attention.py, zigzag_axes; autopar/local_ops.py, _attention)."""
     if not _causal(node):
         return 1.0
     _, cp, axes = _context_split(node, s, mesh_shape)
@@ -311,7 +311,7 @@ def _batch_norm_moves(node: Node, s: Strategy, ctx: CostContext, backward: bool)
     """Training-mode batch norm over a split batch (or spatial dim):
     synchronised statistics, every rank's per-channel mean and sum of
     squared deviations all-gathered over the splitting axes (autopar/
-    spmd.py, _batch_norm), their gradients reduce-scattered in backward: one
+    local_ops.py, _batch_norm), their gradients reduce-scattered in backward: one
     collective each way, over the flattening of those axes."""
     if not node.info.arg(5, "training", False):
         return [], []

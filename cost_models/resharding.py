@@ -55,7 +55,7 @@ def _transitions(src: tuple, dst: tuple, nbytes: float, mesh_shape: tuple, links
         if kind is None:
             continue
         moves.append(Move(kind, axis, size, collective_time(kind, size, links[axis])))
-        if kind in _NESTING and sum(x != y for x, y in zip(src, dst)) == 1:  # a one-axis move: spmd._one_axis
+        if kind in _NESTING and sum(x != y for x, y in zip(src, dst)) == 1:  # a one-axis move: moves._one_axis
             inner = nested_inside(src, axis, (a if isinstance(a, Shard) else b).dim, mesh_shape)
             if inner is not None:
                 moves.append(Move(Collective.ALL_TO_ALL, inner, size,
@@ -71,7 +71,7 @@ def nested_inside(src: tuple, axis: int, dim: int, mesh_shape) -> int | None:
     reduce-scatter (P -> S(dim)) on ``axis`` of a value placed ``src`` also
     needs because b splits the dim inside this axis's pieces (b later, the
     same size, and the only other axis splitting it): the pieces nest, and
-    the runtime routes them over b (spmd._nested). None otherwise."""
+    the runtime routes them over b (moves._nested). None otherwise."""
     others = [b for b, p in enumerate(src) if b != axis and isinstance(p, Shard) and p.dim == dim]
     if len(others) == 1 and others[0] > axis and mesh_shape[others[0]] == mesh_shape[axis]:
         return others[0]

@@ -279,7 +279,7 @@ def test_causal_attention_prices_the_busiest_ranks_share(seq, mesh, causal, shar
 ])
 def test_batch_norm_over_a_split_batch_syncs_its_statistics(mesh, split, collectives):
     """The program all-gathers a batch norm's per-channel statistics over
-    the axes that split its batch or spatial dims (spmd._batch_norm), and
+    the axes that split its batch or spatial dims (local_ops._batch_norm), and
     reduce-scatters their gradients in backward: collectives of the op
     itself, priced and listed with it (graph_costs.op_moves)."""
     from autopar.cost_models.graph_costs import CostContext, op_moves

@@ -235,7 +235,7 @@ def test_resnet50_layout_under_plans_that_split_batch_norms_and_convolutions(tmp
         placed = r["plan"]["strategies"].items()
         assert any(k.startswith("conv2d") and "P" in s.split("-> ")[1] for k, s in placed), r["label"]
         assert any(k.startswith("batch_norm") and "S(1)" in s.split(", ")[0] for k, s in placed), r["label"]
-    # on a split batch: synchronised statistics (spmd._batch_norm), in the random plan at least
+    # on a split batch: synchronised statistics (local_ops._batch_norm), in the random plan at least
     assert any(k.startswith("batch_norm") and "S(0)" in s.split(", ")[0] for k, s in reports[1]["plan"]["strategies"].items())
 
 
@@ -291,8 +291,8 @@ def test_hugging_face_experts_split_train_like_one_device(tmp_path):
     """Expert parallelism on transformers' own Mixtral and DeepSeek-V3 code
     (tests/fixtures/moe_ranks.py, one launch, mesh 4): every expert weight
     held split over its 4 experts and every grouped matmul running its rank's
-    experts (spmd._grouped_mm), on gathered tokens or on the rank's sorted
-    rows sent to their experts' ranks by all-to-alls (spmd._expert_parallel),
+    experts (local_ops._grouped_mm), on gathered tokens or on the rank's sorted
+    rows sent to their experts' ranks by all-to-alls (local_ops._expert_parallel),
     the other nodes as solved around them. Each trains like one device, and
     the plans really split the experts as pinned."""
     out = tmp_path / "moe.json"
@@ -318,7 +318,7 @@ def test_context_parallel_attention_trains_like_one_device(tmp_path):
     gathered whole, on a mesh of 4 and on 2x2 (data x context, and context
     over both axes), in causal attention (examples/llama.py: chunks
     balanced, query halves exchanged, on one axis and over both:
-    spmd._attention), under a padding mask (examples/bert.py), under
+    local_ops._attention), under a padding mask (examples/bert.py), under
     transformers' own Llama with its mask tensor and in explicit attention
     (examples/gpt.py: the scores' product split by its queries), solved
     around the pinned attention (and on 2x2 also random). Each trains like

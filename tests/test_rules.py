@@ -182,7 +182,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
     """Run the op as the emitted program does (autopar.codegen / autopar.spmd), on local shards."""
-    from autopar import spmd
+    from autopar import local_ops, spmd
     from autopar.codegen import RESHAPES
     from autopar.passes.rules.factory import FACTORIES, RANDOM_FACTORIES
 
@@ -196,7 +196,7 @@ def _call(sample: Sample, strategy, args: list, spec, mesh, mesh_shape):
             ref_shape = sample.target(*sample.args, **sample.kwargs).shape
             shape = list(local_shape(ref_shape, strategy.output, mesh_shape))
             return spmd.reshape("node", sample.target, a[0], shape)
-        if spmd.runs_as_is(sample.target) and "avg" not in str(strategy):
+        if local_ops.runs_as_is(sample.target) and "avg" not in str(strategy):
             return sample.target(*a, **kw)
         return spmd.op("node", sample.target, str(strategy), *a, **kw)
 
@@ -354,13 +354,13 @@ def local_impl_rank(case: dict, r: int, mesh) -> tuple:
     through the op's local implementation on ``mesh`` (a ``_RankMesh``, or
     the real DeviceMesh of a torchrun job, where the implementation
     communicates: tests/fixtures/cp_ranks.py)."""
-    from autopar import spmd
+    from autopar import local_ops, spmd
 
     sample, strategy, ref_grads, local_in = case["sample"], case["strategy"], case["ref_grads"], case["local_in"]
     mine = {i: local_in[i][r].detach().requires_grad_() if i in ref_grads else local_in[i][r] for i in local_in}
     a, kw = pytree.tree_unflatten([mine.get(i, v) for i, v in enumerate(case["flat"])], case["spec"])
-    out = spmd._local_impl(sample.target)(sample.target, mesh,
-                                          spmd._strategy(str(strategy), len(case["mesh_shape"])), a, kw)
+    out = local_ops._local_impl(sample.target)(sample.target, mesh,
+                                               spmd._strategy(str(strategy), len(case["mesh_shape"])), a, kw)
     grads = {}
     if ref_grads:
         _real(out * case["cot"][r]).sum().backward()
@@ -644,18 +644,18 @@ def test_random_ops_draw_per_shard_and_alike_per_replica(target, args):
     a replicating axis alike whatever their own generators, and a node draws
     the same again (a recomputation); without one (a unit test), every rank's
     generator advances alike."""
-    from autopar import spmd
-    impl = spmd.LOCAL_IMPLS[target]
+    from autopar import local_ops, moves, spmd
+    impl = local_ops.LOCAL_IMPLS[target]
     x = torch.ones(4, 64)
 
     def draw(coord, spec, own_seed=0, node="dropout_1", step=None):
         torch.manual_seed(own_seed)
-        with spmd._scoped("step_seed", step), spmd._scoped("node", node):
+        with moves._scoped("step_seed", step), moves._scoped("node", node):
             out = impl(target, _RankMesh(coord, (2, 2)), spmd.OpStrategy((spec,), spec, (), ()), [x, *args], {})
         out = out[0] if isinstance(out, tuple) else out
         return out, torch.rand(1).item()
 
-    step = spmd.StepSeed()
+    step = local_ops.StepSeed()
     step.seed = 1234  # what rank 0 would have broadcast
     split, whole = (Shard(0), Replicate()), (Replicate(), Replicate())
     coords = ((0, 0), (1, 0), (0, 1))

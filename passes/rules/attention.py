@@ -21,7 +21,7 @@ def sdpa_rule(info: OpInfo):
     Each rank's queries attend to every key; under ``is_causal`` the local
     call sees the keys up to its last query, causally aligned to its chunk
     and the chunks balanced where they halve (``zigzag_axes``; autopar/
-    spmd.py, _attention), which needs q and k of one length."""
+    local_ops.py, _attention), which needs q and k of one length."""
     q, k = info.inputs[0], info.inputs[1]
     rows = []
     for d in (0, 1):
@@ -48,7 +48,7 @@ def zigzag_axes(q_spec: tuple, seq: int, local_len: int, mesh_shape: tuple) -> t
     sequence in 2cp halves, rank j computing halves j and 2cp-1-j, each rank
     the same work. The program keeps the contiguous layout everywhere else
     and exchanges query halves (and output halves back) by an all-to-all
-    over the axes around the op (autopar/spmd.py, _attention); the cost
+    over the axes around the op (autopar/local_ops.py, _attention); the cost
     model prices that and the balanced work (graph_costs.op_moves). One rule
     for both: some axis splits the sequence and each rank's chunk halves
     evenly."""

@@ -12,7 +12,7 @@ from autopar.passes.strategy import P, R, Row, S
 def embedding_rule(info: OpInfo):
     """Lookup of rows of a table: the indices' dims split, or the embedding dim
     (the table's columns), or the vocabulary (a masked lookup whose result
-    is a Partial sum, autopar/spmd.py). With ``scale_grad_by_freq`` each
+    is a Partial sum, autopar/local_ops.py). With ``scale_grad_by_freq`` each
     row's gradient is divided by its id's count over all the indices, which
     a shard of the indices (or of the vocabulary, whose other ids the lookup
     masks) would count wrongly: only the columns split."""

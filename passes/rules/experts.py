@@ -18,7 +18,7 @@ on CPU as on GPUs). The plain batched-experts form, a stacked weight
 ``bmm`` or ``einsum``, whose rules split E as a batch dim.
 
 Splitting the experts or the tokens needs the offsets relative to the
-rank's shard, which only its rank knows: autopar/spmd.py's ``_grouped_mm``
+rank's shard, which only its rank knows: autopar/local_ops.py's ``_grouped_mm``
 runs those splits. The offsets themselves (E integers) stay whole.
 
 Expert parallelism splits both: each rank holds a contiguous piece of the
@@ -65,7 +65,7 @@ def dispatch_axes(x_spec: tuple, w_spec: tuple, mesh_shape: tuple) -> tuple:
     """The mesh axes (of size > 1) over which a grouped matmul runs expert
     parallel: the sorted rows and the experts both split (grouped_rows'
     routed row): each rank sends its rows to the ranks of their experts,
-    which compute them and send them back (autopar/spmd.py, _grouped_mm;
+    which compute them and send them back (autopar/local_ops.py, _grouped_mm;
     graph_costs.op_moves prices the all-to-alls). Empty: no rows move."""
     return tuple(a for a, (p, q) in enumerate(zip(x_spec, w_spec))
                  if isinstance(p, Shard) and p.dim == 0 and isinstance(q, Shard) and q.dim == 0 and mesh_shape[a] > 1)

@@ -41,7 +41,7 @@ def factory_rule(info: OpInfo):
 def like_rule(info: OpInfo):
     """zeros_like and kin, and random tensors drawn in their input's shape
     (rand_like, bernoulli, uniform_, ...; each shard draws its own,
-    autopar/spmd.py): shaped as their input, so they split with it."""
+    autopar/local_ops.py): shaped as their input, so they split with it."""
     x = info.inputs[0]
     rows = [Row(S(d), (S(d),)) for d in range(x.ndim) if x.shape[d] > 1]
     rows.append(Row(R, (R,)))

@@ -51,7 +51,7 @@ def index_rule(info: OpInfo):
 def routed_axes(x_spec: tuple, indices: list, mesh_shape: tuple) -> tuple:
     """The mesh axes over which advanced indexing fetches rows from other
     ranks: those (of size > 1) that split x along its one indexed dim
-    (index_rule's routed row; autopar/spmd.py, _routed_index; the cost model
+    (index_rule's routed row; autopar/local_ops.py, _index; the cost model
     prices the all-to-all, graph_costs.op_moves). Empty: a local op."""
     dims = [d for d, t in enumerate(indices) if t is not None]
     if len(dims) != 1:

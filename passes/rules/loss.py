@@ -19,7 +19,7 @@ def cross_entropy_rule(info: OpInfo):
     without class weights. A mean over the targets that are not ignore_index
     (over the samples, for class probabilities) is a Partial sum of (local
     loss sum / global count); the runtime all-reduces the count
-    (autopar/spmd.py, _mean_loss)."""
+    (autopar/local_ops.py, _mean_loss)."""
     x = info.inputs[0]
     reduction = REDUCTION[info.arg(3, "reduction", 1)]
     n_in = len(info.inputs)

@@ -64,7 +64,7 @@ def batch_norm_rule(info: OpInfo):
     Channel split (dim 1) is exact in both modes: statistics are per channel.
     In eval mode the op is a per-channel affine map and any dim may be split.
     In training the statistics are over the batch and spatial dims: a split
-    of those runs as synchronised batch norm (autopar/spmd.py, _batch_norm:
+    of those runs as synchronised batch norm (autopar/local_ops.py, _batch_norm:
     the per-channel mean and variance all-reduced over the split axes inside
     the op). Training also updates the running statistics in place: those
     inputs are the buffers themselves (replicated), which every rank updates

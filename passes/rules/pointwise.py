@@ -107,7 +107,7 @@ def prelu_rule(info: OpInfo):
 @register(aten.alpha_dropout.default, aten.feature_dropout.default, aten.feature_alpha_dropout.default)
 def dropout_variant_rule(info: OpInfo):
     """AlphaDropout draws per element: any dim splits (each shard draws its
-    own, autopar/spmd.py). Dropout1d/2d/3d (feature_*) draw one mask per
+    own, autopar/local_ops.py). Dropout1d/2d/3d (feature_*) draw one mask per
     sample and channel, the same over the other dims: in training those
     dims would draw one mask per shard, so only dims 0 and 1 split."""
     rows = broadcast_rows(info)

@@ -15,7 +15,7 @@ from autopar.passes.strategy import P, R, Row, S
 @register(aten.affine_grid_generator.default)
 def affine_grid_rule(info: OpInfo):
     """F.affine_grid(theta (N, 2, 3), size): each sample's grid from its own
-    theta (the runtime gives ``size`` the local batch, spmd._affine_grid)."""
+    theta (the runtime gives ``size`` the local batch, local_ops._affine_grid)."""
     theta = info.inputs[0]
     return ([Row(S(0), (S(0),))] if theta.shape[0] > 1 else []) + [Row(R, (R,))]
 
