@@ -1,7 +1,7 @@
 """Emitted programs against the same parallelization written by hand with torch.distributed.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 benchmarks/runtime_vs_torch.py [--steps 30] \
-        [--cases dp,zero2,zero3,tp,tp_zero2] [--cluster PROFILE.json] [--profile]
+        [--cases dp,zero2,zero3,tp,tp_zero2] [--cluster PROFILE.json] [--profile] [--collectives]
 
 One launch, 4 gloo ranks. For each case autopar compiles the family's hand plan on
 the ``cpu`` cluster (autopar/pinned.py: parameters and inputs placed as the
@@ -37,6 +37,10 @@ The steps (forward, backward, AdamW) rotate, each after a barrier; a step's
 time is the slowest rank's. The table gives medians over ``--steps`` steps
 after warm-up, the ratios, and the plan's predicted step. On a shared
 machine read the ratios, not the milliseconds.
+
+``--collectives`` says where a gap between the measured and the predicted
+step lies in the activations' collectives: per kind, the plan's prediction
+per call, the same call timed alone, and its wall time inside the program.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 import gpt as gpt_example  # noqa: E402
 import mlp as mlp_example  # noqa: E402
 
+from autopar import moves, spmd  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.codegen import build_program, load_program, program_source  # noqa: E402
 from autopar.pinned import compile_pinned  # noqa: E402
@@ -275,7 +280,98 @@ def profiled(name: str, plan, steps_: tuple, opts: list, hand_name: str, steps: 
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, profile: bool = False) -> dict:
+BLOCKING = {"all_gather": ("autopar.moves", "_all_gather"), "reduce_scatter": ("torch.distributed", "all_to_all_single"),
+            "all_reduce": ("torch.distributed", "all_reduce")}
+"""The calls the emitted programs' blocking collectives go through, by the
+kind the plan lists (on gloo the runtime's reduce-scatter is an all-to-all
+and a local sum: autopar.moves._reduce_scatter)."""
+
+
+def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 10) -> None:
+    """The activations' collectives (tensor parallelism's, on the critical
+    path) per kind: the plan's calls per step and predicted seconds per
+    call, against the same kind timed alone (back to back, after a barrier,
+    at the plan's median size for it) and inside the program (each blocking
+    call's wall time: waiting for the slowest rank to arrive included).
+    Parameters' gathers and gradients' reductions (bucketed, most of them
+    started ahead) and the loss's all-reduce (not waited for) are left out;
+    so are asynchronous calls, whose wall time is their launch. Slowest
+    rank's mean per call."""
+    import importlib
+    planned = {}
+    for c in plan.collectives:
+        if c["kind"] in BLOCKING and c["tensor"] not in plan.parameters and c["node"] != "output":
+            planned.setdefault(c["kind"], []).append(c)
+    spent = {kind: [0.0, 0] for kind in BLOCKING}
+    in_bucket = [False]  # inside a parameter bucket's all-gather or reduce-scatter (spmd's _gather / _scatter)
+    originals = {}
+    for kind, (module, attr) in BLOCKING.items():
+        mod = importlib.import_module(module)
+        fn = originals[kind] = getattr(mod, attr)
+
+        def timed_call(*a, _fn=fn, _kind=kind, **k):
+            if k.get("async_op") or in_bucket[0]:
+                return _fn(*a, **k)
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            spent[_kind][0] += time.perf_counter() - t
+            spent[_kind][1] += 1
+            return out
+        setattr(mod, attr, timed_call)
+    bucket_calls = {name: getattr(spmd, name) for name in ("_gather", "_scatter")}
+
+    def outside(fn):
+        def call(*a, **k):
+            in_bucket[0] = True
+            try:
+                return fn(*a, **k)
+            finally:
+                in_bucket[0] = False
+        return call
+    for fn_name, fn in bucket_calls.items():
+        setattr(spmd, fn_name, outside(fn))
+    try:
+        for _ in range(steps):
+            timed(step, opt)
+    finally:
+        for kind, (module, attr) in BLOCKING.items():
+            setattr(importlib.import_module(module), attr, originals[kind])
+        for fn_name, fn in bucket_calls.items():
+            setattr(spmd, fn_name, fn)
+    group = dist.group.WORLD if device_mesh.ndim == 1 else None
+    alone = {}
+    for kind, calls in planned.items():
+        axes = {tuple(c["mesh_axes"]) for c in calls}
+        nbytes = statistics.median(c["bytes"] for c in calls)
+        g = group if axes == {(device_mesh.mesh_dim_names[0],)} and group is not None else \
+            device_mesh.get_group(device_mesh.mesh_dim_names.index(sorted(axes)[0][0]))
+        n = dist.get_world_size(g)
+        whole, piece = torch.ones(int(nbytes) // 4), torch.empty(int(nbytes) // 4 // n)
+        run = {"all_gather": lambda: originals["all_gather"](whole, piece.new_ones(piece.shape), group=g),
+               "reduce_scatter": lambda: moves._reduce_scatter(piece, whole, g),
+               "all_reduce": lambda: dist.all_reduce(whole, group=g)}[kind]
+        ts = []
+        for _ in range(20):
+            dist.barrier()
+            t = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t)
+        alone[kind] = statistics.median(ts)
+    kinds = sorted(planned)
+    mine = torch.tensor([[spent[k][0] / max(1, spent[k][1]), spent[k][1] / steps, alone[k]] for k in kinds],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"\n{name}: blocking collectives per kind (slowest rank, {steps} steps)")
+        print(f"  {'kind':<15} {'planned/step':>12} {'run/step':>8} {'predicted ms':>12} {'alone ms':>8} {'in the program ms':>17}")
+        for k, (inside, count, by_itself) in zip(kinds, mine.tolist()):
+            predicted = statistics.mean(c["seconds"] for c in planned[k])
+            print(f"  {k:<15} {len(planned[k]):>12} {count:>8.0f} {predicted * 1e3:>12.2f} {by_itself * 1e3:>8.2f} "
+                  f"{inside * 1e3:>17.2f}")
+
+
+def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, profile: bool = False,
+             collectives: bool = False) -> dict:
     make, pins, hand, hand_name, is_family, input_pins, mesh = CASES[name]
     device_mesh = meshes[mesh]
     model, inputs, loss_fn = make()
@@ -300,6 +396,8 @@ def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, pro
         times[3] = times[1]  # its loss is the whole batch's already
     if profile:
         profiled(name, plan, steps_, opts, hand_name)
+    if collectives:
+        collectives_breakdown(name, plan, steps_[0], opts[0], device_mesh)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     a, b, one, c = (statistics.median(row) for row in slowest.tolist())
@@ -317,11 +415,14 @@ def main():
                     "file: `autopar calibrate -o F` measures this machine now)")
     ap.add_argument("--profile", action="store_true", help="also profile 5 autopar steps of each case on rank 0 "
                     "and print where they go, next to the plan's predicted compute and communication")
+    ap.add_argument("--collectives", action="store_true", help="also time each case's blocking collectives per "
+                    "kind, alone and inside the program, next to the plan's prediction per call")
     args = ap.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
     meshes = {"4": init_distributed((WORLD,), ("x",))}
     meshes["2x2"] = init_device_mesh(meshes["4"].device_type, (2, 2), mesh_dim_names=("x", "y"))
-    rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster, args.profile) for c in args.cases.split(",")]
+    rows = [run_case(c, meshes, args.steps, args.warmup, args.cluster, args.profile, args.collectives)
+            for c in args.cases.split(",")]
     if dist.get_rank() == 0:
         print(f"{'case':<9} {'mesh':<4} {'hand-written':<46} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6} "
               f"{'hand+loss ms':>12} {'ratio':>6} {'predicted ms':>12} {'one device ms':>13}")
