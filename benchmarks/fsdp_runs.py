@@ -21,7 +21,8 @@ import statistics
 from dataclasses import dataclass
 
 from autopar.cost_models.cluster import GB, get_cluster
-from autopar.cost_models.transformer import StepEstimate, estimate
+from autopar.cost_models.collectives import Collective
+from autopar.cost_models.transformer import Fabric, StepEstimate, estimate, stage_times
 from autopar.cost_models.transformer_plan import AttentionKernel, Recompute, TrainingPlan, TransformerConfig
 
 CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mosaicml_mpt_throughput.csv")
@@ -106,6 +107,28 @@ def predict_fsdp(runs: list[FsdpRun] | None = None, clusters: dict | None = None
     return [FsdpResult(r, estimate(r.config, r.plan, clusters[r.gpu])) for r in runs]
 
 
+def fp32_reduction_share(runs: list[FsdpRun] | None = None, clusters: dict | None = None) -> float:
+    """The largest share of a layer's compute its ZeRO-3 collectives would
+    take, over ``runs``, with the gradients reduce-scattered in fp32 (twice
+    the estimate's bf16 bytes): a layer's all-gather against its forward,
+    its all-gather and reduce-scatter against its backward (recomputation
+    included). Below 1, the collectives hide under the compute either way."""
+    runs = load_runs() if runs is None else runs
+    clusters = CLUSTERS if clusters is None else clusters
+    worst = 0.0
+    for run in runs:
+        model, plan, cluster = run.config, run.plan, clusters[run.gpu]
+        fabric = Fabric.make(plan, cluster)
+        sharded, replicated = model.layer_params()
+        layer = (sharded + replicated) * plan.precision.elem_bytes
+        gather = fabric.time(Collective.ALL_GATHER, layer, "dp")
+        scatter = fabric.time(Collective.REDUCE_SCATTER, 2 * layer, "dp")
+        compute = stage_times(model, plan, cluster, fabric)[0].compute
+        n = model.layers
+        worst = max(worst, gather / (compute.forward / n), (gather + scatter) / ((compute.backward + compute.recompute) / n))
+    return worst
+
+
 def _mape(results: list[FsdpResult]) -> float:
     return 100 * statistics.mean(abs(r.error) for r in results) if results else float("nan")
 
@@ -130,7 +153,12 @@ def fsdp_section(results: list[FsdpResult]) -> list[str]:
         "",
         f"{len(results)} runs of MosaicML's MPT models ({SOURCE}; `benchmarks/fsdp_runs.py`, the rows in",
         "benchmarks/data/mosaicml_mpt_throughput.csv): PyTorch FSDP with full sharding (`--zero 3`, data parallel",
-        "only) on 8 to 128 GPUs, bf16, the Triton FlashAttention kernel (`--attention flash1`: FlashAttention's",
+        "only) on 8 to 128 GPUs, bf16 (the tables' precision and FSDP mixed-precision mode: amp_bf16 with",
+        "Composer's DEFAULT on the H100 and the A100 80GB but for its 70b, bf16 PURE on the A100 40GB and that",
+        "70b; both gather the parameters in bf16 since Composer PR #2047, March 2023, and DEFAULT reduces the",
+        "gradients in fp32 since PR #2628, October 2023, in bf16 before: the estimate's reduce-scatters are bf16, and",
+        f"at twice their bytes a layer's collectives would still take at most {fp32_reduction_share():.2f} of its compute in",
+        "any of these runs, hidden as before, `fp32_reduction_share`), the Triton FlashAttention kernel (`--attention flash1`: FlashAttention's",
         "first generation, priced at twice FlashAttention-2's time as Dao, FlashAttention-2, 2023, measures it),",
         "activation checkpointing as each row",
         "states (`--recompute full`), the published microbatch and global batch, torch.optim's multi-tensor AdamW",
