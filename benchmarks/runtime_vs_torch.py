@@ -293,10 +293,12 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
     call, against the same kind timed alone (back to back, after a barrier,
     at the plan's median size for it) and inside the program (each blocking
     call's wall time: waiting for the slowest rank to arrive included).
-    Parameters' gathers and gradients' reductions (bucketed, most of them
-    started ahead) and the loss's all-reduce (not waited for) are left out;
-    so are asynchronous calls, whose wall time is their launch. Slowest
-    rank's mean per call."""
+    The loss's all-reduce (not waited for) is left out, and so are other
+    asynchronous calls, whose wall time is their launch. Slowest rank's mean
+    per call. Then the parameters' bucketed all-gathers and the gradients'
+    bucketed reduce-scatters (spmd.gather_params, ZeRO): the seconds a step
+    their calls hold the program up (blocking calls, launches and waits),
+    next to what the plan puts on the critical path for them."""
     import importlib
     planned = {}
     for c in plan.collectives:
@@ -320,16 +322,31 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
         setattr(mod, attr, timed_call)
     bucket_calls = {name: getattr(spmd, name) for name in ("_gather", "_scatter")}
 
-    def outside(fn):
+    on_path = {"_gather": [0.0, 0], "_scatter": [0.0, 0]}  # a bucket's blocking call, launch and wait: seconds, calls
+
+    def outside(fn, name):
         def call(*a, **k):
             in_bucket[0] = True
+            t = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 in_bucket[0] = False
+                on_path[name][0] += time.perf_counter() - t
+                on_path[name][1] += 1
+            if not k.get("async_op"):
+                return out
+
+            def finish():
+                t = time.perf_counter()
+                try:
+                    return out()
+                finally:
+                    on_path[name][0] += time.perf_counter() - t
+            return finish
         return call
     for fn_name, fn in bucket_calls.items():
-        setattr(spmd, fn_name, outside(fn))
+        setattr(spmd, fn_name, outside(fn, fn_name))
     try:
         for _ in range(steps):
             timed(step, opt)
@@ -358,9 +375,14 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
             ts.append(time.perf_counter() - t)
         alone[kind] = statistics.median(ts)
     kinds = sorted(planned)
-    mine = torch.tensor([[spent[k][0] / max(1, spent[k][1]), spent[k][1] / steps, alone[k]] for k in kinds],
+    mine = torch.tensor([[spent[k][0] / max(1, spent[k][1]), spent[k][1] / steps, alone[k]] for k in kinds]
+                        + [[on_path[b][0] / steps, on_path[b][1] / steps, 0.0] for b in ("_gather", "_scatter")],
                         dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    (gathers, gather_calls, _), (scatters, scatter_calls, _) = mine[len(kinds):].tolist()
+    mine = mine[:len(kinds)]
+    planned_gathers = sum(c["seconds"] for c in plan.collectives
+                          if c["tensor"] in plan.parameters and c["kind"] == "all_gather")
     if dist.get_rank() == 0:
         print(f"\n{name}: blocking collectives per kind (slowest rank, {steps} steps)")
         print(f"  {'kind':<15} {'planned/step':>12} {'run/step':>8} {'predicted ms':>12} {'alone ms':>8} {'in the program ms':>17}")
@@ -368,6 +390,15 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
             predicted = statistics.mean(c["seconds"] for c in planned[k])
             print(f"  {k:<15} {len(planned[k]):>12} {count:>8.0f} {predicted * 1e3:>12.2f} {by_itself * 1e3:>8.2f} "
                   f"{inside * 1e3:>17.2f}")
+        p = plan.predicted
+        if gather_calls:
+            print(f"  parameters' bucket gathers: {gather_calls:.0f} calls a step, {gathers * 1e3:.1f} ms a step in "
+                  f"their blocking calls, launches and waits; the plan's parameter all-gathers add up to "
+                  f"{planned_gathers * 1e3:.1f} ms ({p['prefetched_gather_exposed_s'] * 1e3:.1f} ms of prefetched "
+                  "ones exposed)")
+        if scatter_calls:
+            print(f"  gradients' bucket reduce-scatters: {scatter_calls:.0f} calls a step, {scatters * 1e3:.1f} ms a step "
+                  f"in their launches and waits; predicted exposed gradient sync {p['grad_sync_exposed_s'] * 1e3:.1f} ms")
 
 
 def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, profile: bool = False,
