@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from autopar.cost_models.calibrate import gpu_preset
 from autopar.cost_models.cluster import Cluster, get_cluster
-from autopar.cost_models.transformer import Kernel, layer_kernels
+from autopar.cost_models.kernels import Kernel
+from autopar.cost_models.transformer_kernels import layer_kernels
 from autopar.cost_models.transformer_plan import TrainingPlan, TransformerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_models.cluster import Cluster, get_cluster
-from autopar.cost_models.transformer import StepEstimate, estimate, step_flops
+from autopar.cost_models.transformer import StepEstimate, estimate
+from autopar.cost_models.transformer_kernels import step_flops
 from autopar.cost_models.transformer_plan import (AttentionKernel, Kernels, Precision, Recompute, TrainingPlan,
                                                   TransformerConfig)
 

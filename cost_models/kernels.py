@@ -4,7 +4,7 @@ backward, priced by the roofline of cost_models/compute.py.
 The one place that says what a kernel costs, for both books: a compiled
 plan prices each ATen op of its graph as a ``Kernel`` (graph_costs.node_kernel)
 and ``autopar estimate`` prices a transformer layer as a list of them
-(transformer.layer_kernels), so a GEMM, a fused attention or an element-wise
+(transformer_kernels.layer_kernels), so a GEMM, a fused attention or an element-wise
 pass costs the same whichever front end asks.
 
 Backward rules (the same for both): a GEMM's backward is two GEMMs of its

@@ -30,11 +30,13 @@ Korthikanti et al. (MLSys'23) for activations.
 FLOPs are counted as in the Megatron-LM papers: model FLOPs (the 72-coefficient
 formula, used for MFU) and hardware FLOPs, which add the recomputed forward
 (the 96-coefficient formula with full recomputation).
+
+The kernels and FLOPs are cost_models/transformer_kernels.py's, the memory
+cost_models/transformer_memory.py's; this module times them and adds up the step.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass
 
 from autopar.cost_models import optimizer as opt
@@ -43,28 +45,23 @@ from autopar.cost_models.collectives import (
     BUCKET_BYTES, Algorithm, AxisLinks, Collective, axis_links, collective_time, flat_buffer_time,
     step_bucket_bytes,
 )
-from autopar.cost_models.kernels import FLASH1_SLOWDOWN, Kernel, flash_attention, gemm, stream
+from autopar.cost_models.kernels import Kernel
 from autopar.cost_models.overlap import chunked_overlap, exposed_sync, prefetched, prefetched_chain
-from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Kernels, Recompute, TrainingPlan,
-                                                  TransformerConfig, check_plan, stage_layers)
+from autopar.cost_models.transformer_kernels import (attention_kernels, embedding_kernels, head_kernels, layer_kernels,
+                                                     local_tokens, padded_vocab, step_flops)
+from autopar.cost_models.transformer_memory import MemoryBreakdown, peak_memory, stage_params
+from autopar.cost_models.transformer_plan import (EstimateError, Kernels, Recompute, TrainingPlan, TransformerConfig,
+                                                  check_plan, stage_layers)
 
 
-VOCAB_PAD = 128
-"""Megatron pads the vocabulary to a multiple of 128 * tp (--make-vocab-size-divisible-by 128)."""
 GRAD_BUCKET_BYTES = 25e6
+
+
 """Gradient bucket size, bytes: torch DDP's default bucket_cap_mb=25."""
-CROSS_ENTROPY_FWD_FP32_BYTES = 32
-"""Bytes per logit beyond the 16-bit read in Megatron's vocab-parallel cross
-entropy forward: an fp32 upcast, max subtraction, exp and normalisation pass
-(4 fp32 reads + 4 fp32 writes)."""
-CROSS_ENTROPY_BWD_FP32_BYTES = 8
-"""Bytes per logit beyond the 16-bit gradient write in its backward (read the
-saved fp32 softmax, write the fp32 gradient)."""
-TARGET_BYTES = 8
-"""Bytes per token of the token ids and targets (int64, as torch's embedding and cross entropy take them)."""
 
 
 # --- results -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TimeBreakdown:
@@ -89,34 +86,6 @@ class TimeBreakdown:
     def total_s(self) -> float:
         return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.dp_comm_s
                 + self.bubble_s + self.optimizer_s)
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes per GPU at the peak, on the stage that needs the most."""
-
-    parameters: float
-    """Training-precision parameters (ZeRO-3 shards them)."""
-    gradients: float
-    """Gradients (ZeRO-2/3 shard them)."""
-    optimizer_states: float
-    """fp32 master weights and Adam moments (ZeRO-1/2/3 shard them)."""
-    activations: float
-    """Activations saved for backward, for every microbatch in flight, plus the recomputation working set."""
-    stage: int
-    """Pipeline stage this breakdown is for."""
-    inputs: float = 0.0
-    """The batch's token ids and targets."""
-    step_temporaries: float = 0.0
-    """The optimizer step's temporaries (optimizer.step_temporary_bytes)."""
-    persistent_gradients: bool = True
-    """Gradients live beside the activations (a contiguous gradient buffer,
-    accumulation, a pipeline), not only once backward frees them."""
-
-    @property
-    def total(self) -> float:
-        return opt.device_peak(self.parameters + self.optimizer_states + self.inputs, self.gradients,
-                               self.activations, self.step_temporaries, self.persistent_gradients)
 
 
 @dataclass(frozen=True)
@@ -169,183 +138,8 @@ class StepEstimate:
         return out
 
 
-# --- FLOPs -----------------------------------------------------------------------
-
-def step_flops(model: TransformerConfig, plan: TrainingPlan) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step of ``plan.batch`` sequences.
-
-    For the GPT block these are exactly 72 B s l h^2 (1 + s/6h + V/12lh) and,
-    with full recomputation, 96 B s l h^2 (1 + s/6h + V/16lh)."""
-    per_seq = model.layers * model.layer_forward_flops() + model.head_forward_flops()
-    model_flops = 3.0 * plan.batch * per_seq
-    recomputed = {
-        Recompute.NONE: 0.0,
-        Recompute.SELECTIVE: model.layers * model.attention_core_flops(),
-        Recompute.FULL: model.layers * model.layer_forward_flops(),
-    }[plan.recompute]
-    return model_flops, model_flops + plan.batch * recomputed
-
-
-# --- per-GPU kernels of one microbatch ---------------------------------------------
-
-def local_tokens(model: TransformerConfig, plan: TrainingPlan) -> float:
-    """Tokens of one microbatch on one GPU: its sequences' 1/cp share."""
-    return plan.microbatch * model.seq / plan.cp
-
-
-def layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """The kernels of one layer on one GPU for one microbatch, as the plan's
-    ``kernels`` run them (``Kernels``).
-
-    Megatron-LM's fused element-wise kernels count each tensor read or
-    written once (e bytes per element, 1 per dropout-mask element): layer
-    norm y = f(x) and dx = f(dy, x); bias-dropout-add out = x + drop(y + b)
-    writes the mask, its backward reads dy and the mask; bias-GeLU y = f(x),
-    dx = f(dy, x); SwiGLU y = f(gate, up), (dgate, dup) = f(dy, gate, up).
-    Eager PyTorch runs one kernel per ATen op (``eager_layer_kernels``)."""
-    if plan.kernels is Kernels.EAGER:
-        return eager_layer_kernels(model, plan)
-    e, t = plan.precision.elem_bytes, plan.tp
-    tokens = local_tokens(model, plan)
-    h, f = model.hidden, model.ffn
-    full = tokens * h / (t if plan.sequence_parallel else 1)  # elements of layer-norm / dropout tensors
-    mask = 1 if model.dropout else 0  # dropout mask bytes per element
-    norm = stream("layernorm", 2 * e * full, 3 * e * full)
-    residual = stream("bias-dropout-add", (3 * e + mask) * full, (2 * e + mask) * full)
-    if model.swiglu:
-        act = stream("swiglu", 3 * e * tokens * f / t, 5 * e * tokens * f / t)
-    else:
-        act = stream("bias-gelu", 2 * e * tokens * f / t, 3 * e * tokens * f / t)
-    return [
-        norm,
-        gemm("qkv", tokens, h, (h + 2 * model.kv_hidden) / t, e),
-        *attention_kernels(model, plan),
-        gemm("attention-out", tokens, h / t, h, e),
-        residual,
-        norm,
-        gemm("mlp-in", tokens, h, model.ffn_in / t, e),
-        act,
-        gemm("mlp-out", tokens, f / t, h, e),
-        residual,
-    ]
-
-
-def eager_layer_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """One layer as PyTorch eager runs it, one kernel per ATen op, each priced
-    as ``autopar compile`` prices the op (graph_costs.node_kernel): an
-    element-wise op or a norm is one pass over its inputs and outputs forward
-    and again backward; q, k and v are separate GEMMs (biases read beside
-    them); views (the head reshapes, transposes) and a dropout of p = 0 move
-    nothing. Under tensor parallelism the norms run on the whole activation
-    (sequence parallelism: on its shard of the sequence)."""
-    e, t = plan.precision.elem_bytes, plan.tp
-    tokens = local_tokens(model, plan)
-    h, f, kv = model.hidden, model.ffn, model.kv_hidden
-    full = tokens * h / (t if plan.sequence_parallel else 1)
-    bias = (lambda n: e * n) if model.biases else (lambda n: 0.0)  # noqa: E731
-    norm_params = h if model.swiglu else 2 * h
-    norm = stream("layer-norm", e * (2 * full + norm_params), e * (2 * full + norm_params))
-    add = stream("add", 3 * e * full, 3 * e * full)
-    dropout = [stream("dropout", 2 * e * full, 2 * e * full)] if model.dropout else []
-    attention = [
-        norm,
-        gemm("q", tokens, h, h / t, e, extra_bytes=bias(h / t)),
-        gemm("k", tokens, h, kv / t, e, extra_bytes=bias(kv / t)),
-        gemm("v", tokens, h, kv / t, e, extra_bytes=bias(kv / t)),
-        *attention_kernels(model, plan),
-        gemm("attention-out", tokens, h / t, h, e, extra_bytes=bias(h)),
-        *dropout, add,
-    ]
-    inner = tokens * f / t
-    if model.swiglu:
-        mlp = [gemm("mlp-gate", tokens, h, f / t, e), gemm("mlp-up", tokens, h, f / t, e),
-               stream("silu", 2 * e * inner, 2 * e * inner), stream("mul", 3 * e * inner, 3 * e * inner)]
-    else:
-        mlp = [gemm("mlp-in", tokens, h, f / t, e, extra_bytes=bias(f / t)),
-               stream("gelu", 2 * e * inner, 2 * e * inner)]
-    return attention + [norm, *mlp, gemm("mlp-out", tokens, f / t, h, e, extra_bytes=bias(h)), *dropout, add]
-
-
-def attention_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """The attention core on one GPU (a/t heads) for one microbatch. Under
-    context parallelism a GPU's queries (s/cp of them, in two load-balanced
-    chunks) meet every key, so it does 1/cp of the causal work and reads all
-    keys and values as they come round the ring."""
-    e, s, d = plan.precision.elem_bytes, model.seq, model.head_dim
-    heads = plan.microbatch * model.heads // plan.tp  # (sequence, head) pairs on this GPU
-    if plan.attention.fused:
-        nbytes = float(e) * plan.microbatch * (2 * model.hidden * s / plan.cp + 2 * model.kv_hidden * s) / plan.tp
-        shape = (plan.microbatch, model.heads // plan.tp, model.n_kv_heads // plan.tp, s, d) if plan.cp == 1 else ()
-        slowdown = FLASH1_SLOWDOWN if plan.attention is AttentionKernel.FLASH1 else 1.0
-        return [flash_attention(heads * s * s / plan.cp, d, nbytes, causal=True, slowdown=slowdown,
-                                synchronous_mma=plan.attention.synchronous_mma,
-                                overlap_special=plan.attention is AttentionKernel.FLASH3, shape=shape)]
-    # Fused scale-mask-softmax: y = f(x), dx = f(y, dy); dropout as above.
-    scores = heads * s * s  # elements of the s x s score matrices
-    mask = 1 if model.dropout else 0
-    kernels = [gemm("qk^T", s, d, s, e, batch=heads, attention_core=True),
-               stream("softmax", 2 * e * scores, 3 * e * scores, attention_core=True)]
-    if model.dropout:
-        kernels.append(stream("attention-dropout", (2 * e + mask) * scores, (2 * e + mask) * scores, True))
-    kernels.append(gemm("pv", s, s, d, e, batch=heads, attention_core=True))
-    return kernels
-
-
-def padded_vocab(model: TransformerConfig, plan: TrainingPlan) -> int:
-    """The vocabulary as the output layer holds it: Megatron pads it to a
-    multiple of 128 tp; an eager model keeps its own size."""
-    if plan.kernels is Kernels.EAGER:
-        return model.vocab
-    step = VOCAB_PAD * plan.tp
-    return step * math.ceil(model.vocab / step)
-
-
-def head_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """Final norm, logits GEMM and cross entropy (last stage), per GPU per
-    microbatch. Megatron's vocabulary-parallel cross entropy works in fp32
-    (CROSS_ENTROPY_*_FP32_BYTES); PyTorch's reads the 16-bit logits and the
-    targets once forward and again backward."""
-    e, t = plan.precision.elem_bytes, plan.tp
-    tokens = local_tokens(model, plan)
-    full = tokens * model.hidden / (t if plan.sequence_parallel else 1)
-    logits = tokens * padded_vocab(model, plan) / t
-    if plan.kernels is Kernels.EAGER:  # cross entropy on the whole vocabulary (tp_head_comm)
-        norm_params = model.hidden if model.swiglu else 2 * model.hidden
-        norm = e * (2 * full + norm_params)
-        ce = e * logits * t + TARGET_BYTES * tokens
-        return [stream("final-norm", norm, norm), gemm("logits", tokens, model.hidden, padded_vocab(model, plan) / t, e),
-                stream("cross-entropy", ce, ce)]
-    return [
-        stream("final-norm", 2 * e * full, 3 * e * full),
-        gemm("logits", tokens, model.hidden, padded_vocab(model, plan) / t, e),
-        stream("cross-entropy", (e + CROSS_ENTROPY_FWD_FP32_BYTES) * logits,
-               (e + CROSS_ENTROPY_BWD_FP32_BYTES) * logits),
-    ]
-
-
-def embedding_kernels(model: TransformerConfig, plan: TrainingPlan) -> list[Kernel]:
-    """Token (and position) embedding lookup and dropout (first stage). In
-    eager PyTorch (graph_costs.node_kernel) a lookup reads its rows and
-    writes them, and its backward writes the whole table's gradient; the
-    learned positions are looked up once for the batch and added."""
-    e = plan.precision.elem_bytes
-    tokens = local_tokens(model, plan)
-    n = tokens * model.hidden
-    mask = 1 if model.dropout else 0
-    if plan.kernels is Kernels.EAGER:
-        table = padded_vocab(model, plan) * model.hidden / plan.tp
-        out = [stream("embedding", 2 * e * n + TARGET_BYTES * tokens, e * (table + n) + TARGET_BYTES * tokens)]
-        if not model.swiglu:  # learned positions, added to every sequence
-            pos = model.seq / plan.cp * model.hidden
-            out += [stream("position-embedding", 2 * e * pos, 2 * e * pos),
-                    stream("add", e * (2 * n + pos), e * (2 * n + pos))]
-        if model.dropout:
-            out.append(stream("dropout", 2 * e * n, 2 * e * n))
-        return out
-    return [stream("embedding", (4 * e + mask) * n, (3 * e + mask) * n)]
-
-
 # --- time -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Fabric:
@@ -406,12 +200,18 @@ def kernel_times(kernels: list[Kernel], plan: TrainingPlan, cluster: Cluster, re
 
 
 TP_OVERLAP_SPLITS = 4
+
+
 """Chunks a reduce-scatter overlapped with the GEMM before it is split into
 (Transformer Engine's userbuffers, "pipeline" method, the default for
 proj_fprop and fc2_fprop: num_splits 4); the all-gathers ("ring_exchange",
 qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad) go in tp chunks, one per peer
 (transformer_engine/pytorch/module/base.py, initialize_ub, get_default_config)."""
+
+
 TP_OVERLAP_SMS = 16
+
+
 """Multiprocessors a "pipeline" or "bulk" overlap takes from the GEMM beside
 it (num_sm 16, with the GEMM launched on the rest: set_sm_margin; same
 source); the ring exchanges copy with the copy engines (use_ce) on 1 SM."""
@@ -581,19 +381,6 @@ def stage_times(model: TransformerConfig, plan: TrainingPlan, cluster: Cluster, 
 
 
 # --- data parallelism and optimizer -------------------------------------------------------
-
-def stage_params(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
-    """Parameters held by one GPU of pipeline stage ``stage`` (before ZeRO sharding)."""
-    sharded, replicated = model.layer_params()
-    n = stage_layers(model, plan)[stage] * (sharded / plan.tp + replicated)
-    word = padded_vocab(model, plan) * model.hidden / plan.tp
-    if stage == 0:
-        n += word + (model.embedding_params() - model.vocab * model.hidden)
-    if stage == plan.pp - 1:
-        n += model.hidden if model.swiglu else 2 * model.hidden  # final norm
-        if plan.pp > 1 or model.untied_embeddings:
-            n += word  # the output layer: its own weights, or a copy of the tied embedding on the last stage
-    return n
 
 
 def _grad_sync(kind: Collective, nbytes: float, fabric: Fabric) -> float:
@@ -830,192 +617,8 @@ def optimizer_time(model: TransformerConfig, plan: TrainingPlan, cluster: Cluste
     return opt.step_seconds(params, plan.optimizer, cluster.device, cluster.backend == "gloo")
 
 
-# --- memory ------------------------------------------------------------------------------
-
-def model_state_bytes(params: float, plan: TrainingPlan) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer states) bytes of ``params`` parameters
-    under the plan's ZeRO stage (Rajbhandari et al. 2020; optimizer.state_bytes,
-    a compiled plan's table too): mixed precision holds 2 + 2 + 12 bytes per
-    parameter for Adam (16-bit weights and gradients; fp32 master weights,
-    momentum, variance), fp32 holds 4 + 4 + 8. Eager ZeRO-2 is PyTorch's
-    (FSDP's SHARD_GRAD_OP, autopar's): the weights stored sharded, their
-    gathered copies kept until backward (stage_activation_bytes)."""
-    nd = plan.dp * plan.cp  # the gradient group, which Megatron's distributed optimizer shards over
-    shards = {0: (1, 1, 1), 1: (1, 1, nd), 2: (1, nd, nd), 3: (nd, nd, nd)}[plan.zero]
-    if plan.kernels is Kernels.EAGER and plan.zero == 2:
-        shards = (nd, nd, nd)  # stored sharded like FSDP's SHARD_GRAD_OP; the gathered copies are activations
-    held = opt.state_bytes(params, plan.precision.value, plan.optimizer, shards)
-    return held["parameters"], held["gradients"], held["optimizer"]
-
-
-def layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompute: Recompute | None = None) -> float:
-    """Activation bytes one layer keeps for backward per microbatch on one GPU
-    (Korthikanti et al. 2022: for the GPT block in 16-bit, s b h (34 + 5 a s / h)
-    without parallelism, s b h (10 + 24/t + 5 a s/(h t)) with tensor
-    parallelism, s b h (34/t + 5 a s/(h t)) with sequence parallelism, and
-    2 s b h with full recomputation). Eager kernels: ``eager_layer_activation_bytes``."""
-    recompute = plan.recompute if recompute is None else recompute
-    if plan.kernels is Kernels.EAGER:
-        return eager_layer_activation_bytes(model, plan, recompute)
-    e, t = plan.precision.elem_bytes, plan.tp
-    s, b, h, f = model.seq / plan.cp, plan.microbatch, model.hidden, model.ffn  # this GPU's share of a sequence
-    r = t if plan.sequence_parallel else 1
-    if recompute is Recompute.FULL:
-        return e * s * b * h / r
-    mask = 1 if model.dropout else 0
-    # Replicated over tp (unless sequence parallel): both norm inputs, the QKV
-    # and MLP-in GEMM inputs, and the two residual dropout masks.
-    replicated = (4 * e + 2 * mask) * s * b * h / r
-    # Sharded over tp: Q, K, V, the attention-out input, and the MLP
-    # activation's input(s) and output.
-    act_in = 2 if model.swiglu else 1
-    sharded = e * s * b * (2 * h + 2 * model.kv_hidden + (act_in + 1) * f) / t
-    scores = 0.0
-    if recompute is Recompute.NONE and plan.attention is AttentionKernel.UNFUSED:
-        # softmax output, dropout mask, dropout output
-        scores = (e + mask + e * mask) * model.heads * s * s * b / t
-    elif plan.attention.fused:
-        scores = 4.0 * model.heads * s * b / t  # fp32 log-sum-exp per row
-    return replicated + sharded + scores
-
-
-def eager_layer_activation_bytes(model: TransformerConfig, plan: TrainingPlan, recompute: Recompute) -> float:
-    """What autograd keeps of one eager layer per microbatch on one GPU, by
-    the rules a compiled plan's memory follows (graph_costs.saved_outputs):
-    each op keeps the inputs its backward reads (a norm and a GEMM their
-    input, GeLU its input, a product both, scaled_dot_product_attention its
-    q, k, v and output), an addition nothing, a view its base's storage, a
-    dropout its one-byte mask; the attention's output reaches the output
-    GEMM through a reshape of its transposed heads, a copy, kept too. Under tensor parallelism the inputs of the
-    column-parallel GEMMs are kept whole (the all-gathered copy, under
-    sequence parallelism too), the norm inputs on the sequence shard. Full
-    recomputation keeps the layer's input only."""
-    e, t = plan.precision.elem_bytes, plan.tp
-    tokens = local_tokens(model, plan)
-    h, f, kv = model.hidden, model.ffn, model.kv_hidden
-    full = tokens * h / (t if plan.sequence_parallel else 1)
-    if recompute is Recompute.FULL:
-        return e * full
-    norms = 2 * e * full + 2 * e * tokens * h  # the two norms' inputs (sharded) and outputs (gathered)
-    # q, k, v and the attention's output, and the copy the output GEMM reads (a reshape of the
-    # transposed heads copies)
-    attention = e * tokens * (3 * h + 2 * kv) / t
-    mlp = e * tokens * f / t * (4 if model.swiglu else 2)  # gate, up, silu, product / fc out, gelu out
-    masks = 2 * full if model.dropout else 0.0
-    return norms + attention + mlp + masks
-
-
-def _eager_working(model: TransformerConfig, plan: TrainingPlan, kernels: list[Kernel]) -> float:
-    """The largest working set of one eager kernel's backward among
-    ``kernels`` (graph_costs.backward_working_set): the gradient of its output
-    and of each floating input, the size of what the forward read and wrote;
-    cross entropy's twice the whole logits (its log-softmax's gradient and
-    its input's), the embedding's its table's gradient. A weight's gradient
-    reduced by an all-reduce is copied where it is reduced
-    (graph_costs.gradient_transient); a ZeRO weight's gathered gradient, and
-    for ZeRO-3 its regathered copy, is held at its GEMM too
-    (graph_costs.gather_transient)."""
-    e, nd = plan.precision.elem_bytes, plan.dp * plan.cp
-    tokens = local_tokens(model, plan)
-    best = 0.0
-    for k in kernels:
-        if k.name == "cross-entropy":  # on the whole vocabulary (tp_head_comm)
-            best = max(best, 2 * e * tokens * padded_vocab(model, plan))
-        elif k.name == "embedding":
-            best = max(best, k.bwd_bytes - TARGET_BYTES * tokens)
-        elif k.matmul and not k.attention_core:
-            weight = e * k.shape[2] * k.shape[3]
-            own = k.fwd_bytes + (weight if nd > 1 and plan.zero == 0 else 0.0)
-            gathered = weight * (2 if plan.zero == 3 else 1) if nd > 1 and plan.zero >= 2 else 0.0
-            best = max(best, own, gathered)
-        elif not k.attention_core or k.matmul:
-            best = max(best, k.fwd_bytes)
-    return best
-
-
-def _eager_peak(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
-    """What the eager activations add at their peak on ``stage``, on top of
-    every layer's kept activations, the largest over the points backward
-    passes (autopar/timeline.py): cross entropy's backward on the last stage
-    (the final norm's input and output and the gathered logits it keeps,
-    with its working set), the output GEMM's (the logits freed), or a
-    layer's (its working set; under full recomputation also the layer's
-    activations, rebuilt)."""
-    e, t = plan.precision.elem_bytes, plan.tp
-    tokens = local_tokens(model, plan)
-    full = tokens * model.hidden / (t if plan.sequence_parallel else 1)
-    layer = _eager_working(model, plan, layer_kernels(model, plan))
-    if plan.recompute is Recompute.FULL:
-        layer += eager_layer_activation_bytes(model, plan, Recompute.NONE)
-        if plan.zero == 2 and plan.dp * plan.cp > 1:  # its weights, gathered again for its recomputation
-            sharded, replicated = model.layer_params()
-            layer += e * (sharded / t + replicated)
-    extra = 0.0
-    if stage == 0:  # the embedding dropout's mask; the table's gradient, written whole
-        extra = full if model.dropout else 0.0
-        layer = max(layer, _eager_working(model, plan, embedding_kernels(model, plan)))
-    if stage != plan.pp - 1:
-        return extra + layer
-    norm, logits, ce = head_kernels(model, plan)
-    base = e * full + e * tokens * model.hidden  # the final norm's input and output
-    at_loss = base + e * tokens * padded_vocab(model, plan) + _eager_working(model, plan, [ce])
-    at_logits = base + _eager_working(model, plan, [logits])
-    return extra + max(layer, at_loss, at_logits)
-
-
-def stage_activation_bytes(model: TransformerConfig, plan: TrainingPlan, stage: int) -> float:
-    """Activations held at the peak by one GPU of ``stage`` under 1F1B: stage i
-    keeps p - i microbatches in flight (the first stage p), the interleaved
-    schedule adds a factor 1 + (p-1)/(p v) on the first stage (Korthikanti et
-    al. 2022, Sec. 4.2.3); recomputation adds the working set of one layer."""
-    p, v = plan.pp, plan.virtual_stages
-    in_flight = min(plan.microbatches, p - stage)
-    held = in_flight * stage_layers(model, plan)[stage] * layer_activation_bytes(model, plan)
-    if stage == 0 and v > 1:
-        held *= 1 + (p - 1) / (p * v)
-    if plan.kernels is Kernels.EAGER:
-        if plan.zero == 2 and plan.dp * plan.cp > 1:  # gathered weights, kept by the ops that read them
-            gathered = stage_params(model, plan, stage)  # (a recomputed layer's are gathered again for it)
-            if plan.recompute is Recompute.FULL:
-                sharded, replicated = model.layer_params()
-                gathered -= stage_layers(model, plan)[stage] * (sharded / plan.tp + replicated)
-            held += plan.precision.elem_bytes * gathered
-        return held + _eager_peak(model, plan, stage)
-    if plan.recompute is not Recompute.NONE:
-        held += layer_activation_bytes(model, plan, Recompute.NONE) - \
-            (layer_activation_bytes(model, plan) if plan.recompute is Recompute.SELECTIVE else 0.0)
-    e, tokens = plan.precision.elem_bytes, local_tokens(model, plan)
-    if stage == 0:  # embedding output + dropout mask, scattered over tp under sequence parallelism
-        shards = plan.tp if plan.sequence_parallel else 1
-        held += in_flight * (e + (1 if model.dropout else 0)) * tokens * model.hidden / shards
-    if stage == p - 1:
-        held += (e + 4) * tokens * padded_vocab(model, plan) / plan.tp  # logits and fp32 softmax
-    return held
-
-
-def peak_memory(model: TransformerConfig, plan: TrainingPlan) -> MemoryBreakdown:
-    """The stage that needs the most: with even stages the first (most
-    microbatches in flight, embedding) or the last (output layer); with
-    uneven ones it can be a middle stage. Gradients take their memory beside
-    the activations where they persist through the step (Megatron's
-    contiguous gradient buffer, accumulation over microbatches, a pipeline),
-    and as the activations are freed otherwise (optimizer.device_peak)."""
-    persistent = plan.kernels is Kernels.MEGATRON or plan.microbatches > 1 or plan.pp > 1
-    inputs = 2 * TARGET_BYTES * local_tokens(model, plan) if plan.kernels is Kernels.EAGER else 0.0
-    best = None
-    for stage in range(plan.pp):
-        local = stage_params(model, plan, stage)
-        params, grads, state = model_state_bytes(local, plan)
-        updated = local / (plan.dp * plan.cp if plan.zero >= 1 else 1)
-        temp = opt.step_temporary_bytes(updated, plan.precision.value, plan.optimizer)
-        m = MemoryBreakdown(params, grads, state, stage_activation_bytes(model, plan, stage), stage, inputs, temp,
-                            persistent)
-        if best is None or m.total > best.total:
-            best = m
-    return best
-
-
 # --- the estimate -----------------------------------------------------------------------
+
 
 def nodes_for(plan: TrainingPlan, cluster: Cluster) -> int:
     """Nodes the plan's tp * cp * pp * dp GPUs fill: part of one, or whole nodes."""

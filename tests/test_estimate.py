@@ -16,9 +16,10 @@ from autopar.cost_models.cluster import get_cluster
 from autopar.cost_models.collectives import axis_links
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.estimate_cli import estimate_main
-from autopar.cost_models.transformer import (Fabric, attention_kernels, estimate, kernel_times,
-                                             layer_activation_bytes, layer_kernels, model_state_bytes,
-                                             stage_activation_bytes, stage_params, stage_times, step_flops)
+from autopar.cost_models.transformer import Fabric, estimate, kernel_times, stage_times
+from autopar.cost_models.transformer_kernels import attention_kernels, layer_kernels, step_flops
+from autopar.cost_models.transformer_memory import (layer_activation_bytes, model_state_bytes, stage_activation_bytes,
+                                                    stage_params)
 from autopar.cost_models.transformer_plan import (AttentionKernel, EstimateError, Precision, Recompute, TrainingPlan,
                                                   TransformerConfig, stage_layers)
 
