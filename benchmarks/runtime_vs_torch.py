@@ -355,13 +355,11 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
             setattr(importlib.import_module(module), attr, originals[kind])
         for fn_name, fn in bucket_calls.items():
             setattr(spmd, fn_name, fn)
-    group = dist.group.WORLD if device_mesh.ndim == 1 else None
     alone = {}
     for kind, calls in planned.items():
-        axes = {tuple(c["mesh_axes"]) for c in calls}
         nbytes = statistics.median(c["bytes"] for c in calls)
-        g = group if axes == {(device_mesh.mesh_dim_names[0],)} and group is not None else \
-            device_mesh.get_group(device_mesh.mesh_dim_names.index(sorted(axes)[0][0]))
+        axis = statistics.mode(c["mesh_axes"][0] for c in calls)  # the axis most of them move over
+        g = device_mesh.get_group(device_mesh.mesh_dim_names.index(axis))
         n = dist.get_world_size(g)
         whole, piece = torch.ones(int(nbytes) // 4), torch.empty(int(nbytes) // 4 // n)
         run = {"all_gather": lambda: originals["all_gather"](whole, piece.new_ones(piece.shape), group=g),
