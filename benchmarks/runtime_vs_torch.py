@@ -35,8 +35,9 @@ with like.
 
 The steps (forward, backward, AdamW) rotate, each after a barrier; a step's
 time is the slowest rank's. The table gives medians over ``--steps`` steps
-after warm-up, the ratios, and the plan's predicted step. On a shared
-machine read the ratios, not the milliseconds.
+after warm-up, the ratios (with their 95% intervals, by the bootstrap over
+the steps, below it), and the plan's predicted step. On a shared machine
+read the ratios, not the milliseconds.
 
 ``--collectives`` says where a gap between the measured and the predicted
 step lies in the activations' collectives: per kind, the plan's prediction
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import time
@@ -429,10 +431,26 @@ def run_case(name: str, meshes: dict, steps: int, warmup: int, cluster: str, pro
         collectives_breakdown(name, plan, steps_[0], opts[0], device_mesh)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    a, b, one, c = (statistics.median(row) for row in slowest.tolist())
+    rows = slowest.tolist()
+    a, b, one, c = (statistics.median(row) for row in rows)
     return {"case": name, "mesh": mesh, "hand": hand_name, "autopar_ms": a * 1e3, "hand_ms": b * 1e3,
             "ratio": a / b, "hand_loss_ms": c * 1e3, "ratio_loss": a / c, "one_device_ms": one * 1e3,
-            "predicted_ms": plan.predicted["step_time_s"] * 1e3}
+            "predicted_ms": plan.predicted["step_time_s"] * 1e3,
+            "ratio_interval": ratio_interval(rows[0], rows[1]), "ratio_loss_interval": ratio_interval(rows[0], rows[3])}
+
+
+def ratio_interval(ours: list, theirs: list, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% interval of median(ours) / median(theirs) over the steps,
+    by the bootstrap: the step rounds resampled with replacement, each
+    round's two times kept together (they ran one after the other)."""
+    rng = random.Random(seed)
+    n = len(ours)
+    ratios = []
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        ratios.append(statistics.median(ours[i] for i in pick) / statistics.median(theirs[i] for i in pick))
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def main():
@@ -459,6 +477,9 @@ def main():
             print(f"{r['case']:<9} {r['mesh']:<4} {r['hand']:<46} {r['autopar_ms']:>10.1f} {r['hand_ms']:>8.1f} "
                   f"{r['ratio']:>5.2f}x {r['hand_loss_ms']:>12.1f} {r['ratio_loss']:>5.2f}x {r['predicted_ms']:>12.1f} "
                   f"{r['one_device_ms']:>13.1f}")
+        print("95% intervals of the ratios (bootstrap over the steps): " + "; ".join(
+            f"{r['case']} {r['ratio_interval'][0]:.2f}-{r['ratio_interval'][1]:.2f}x, with the loss "
+            f"{r['ratio_loss_interval'][0]:.2f}-{r['ratio_loss_interval'][1]:.2f}x" for r in rows))
     shutdown(exit_code=0)
 
 
