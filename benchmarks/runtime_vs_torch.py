@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import gpt as gpt_example  # noqa: E402
 import mlp as mlp_example  # noqa: E402
+from collective_skew import slowest_median  # noqa: E402  (benchmarks/, beside this script)
 
 from autopar import moves, spmd  # noqa: E402
 from autopar.capture import capture  # noqa: E402
@@ -292,8 +293,8 @@ and a local sum: autopar.moves._reduce_scatter)."""
 def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 10) -> None:
     """The activations' collectives (tensor parallelism's, on the critical
     path) per kind: the plan's calls per step and predicted seconds per
-    call, against the same kind timed alone (back to back, after a barrier,
-    at the plan's median size for it) and inside the program (each blocking
+    call, against the same kind timed alone (``collective_skew.slowest_median``:
+    each call after a barrier, at the plan's median size for it) and inside the program (each blocking
     call's wall time: waiting for the slowest rank to arrive included).
     The loss's all-reduce (not waited for) is left out, and so are other
     asynchronous calls, whose wall time is their launch. Slowest rank's mean
@@ -367,13 +368,7 @@ def collectives_breakdown(name: str, plan, step, opt, device_mesh, steps: int = 
         run = {"all_gather": lambda: originals["all_gather"](whole, piece.new_ones(piece.shape), group=g),
                "reduce_scatter": lambda: moves._reduce_scatter(piece, whole, g),
                "all_reduce": lambda: dist.all_reduce(whole, group=g)}[kind]
-        ts = []
-        for _ in range(20):
-            dist.barrier()
-            t = time.perf_counter()
-            run()
-            ts.append(time.perf_counter() - t)
-        alone[kind] = statistics.median(ts)
+        alone[kind] = slowest_median(run, reps=20)
     kinds = sorted(planned)
     mine = torch.tensor([[spent[k][0] / max(1, spent[k][1]), spent[k][1] / steps, alone[k]] for k in kinds]
                         + [[on_path[b][0] / steps, on_path[b][1] / steps, 0.0] for b in ("_gather", "_scatter")],
